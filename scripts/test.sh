@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole test suite, every tier: ruff, serial tests, then the MPI tests under 1, 2 and 4 ranks.
+# Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
+# As root with `unshare` available, all tiers run in a loopback-only network namespace (no MPI byte
+# leaves the machine); elsewhere (a laptop, a cluster login node) they run normally.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup_env.sh || exit 1
+if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev/null \
+   && command -v ip >/dev/null && unshare -n true 2>/dev/null; then
+  exec env MPICOMM_NETNS=loopback unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
+fi
+. .venv/bin/activate
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+echo "== network: ${MPICOMM_NETNS:-host (not root or no unshare: MPI runs on the normal network stack)}"
+failed=()
+tier() {  # tier NAME COMMAND...
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@"; local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s"
+  [ $rc = 0 ] || failed+=("$name (exit $rc)")
+}
+MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-600}
+tier lint ruff check .
+tier serial python -m pytest -q "$@"
+for n in 1 2 4; do
+  tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED tiers: ${failed[*]}"
+  exit 1
+fi
+echo "all tiers passed"
