@@ -1,0 +1,295 @@
+"""Communicator: neighbour collectives over a graph topology, plus the centralized collectives.
+
+Built once from an mpi4py intracommunicator and a :class:`~mpicomm.topology.Topology` (or a
+time-varying :class:`~mpicomm.topology.Schedule`). For every distinct topology of the schedule it
+creates one distributed-graph communicator (``Create_dist_graph_adjacent``, no reordering) at
+construction, so a time-varying schedule costs nothing per step. Receive buffers are cached per
+(operation, shape, dtype, device) and reused: a returned receive tensor stays valid until the next
+call of the same operation with the same shape, unless the caller passes ``out=``.
+
+Every call books its bytes in the :class:`~mpicomm.ledger.Ledger`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from mpi4py import MPI
+
+from ..ledger import ANY, Ledger
+from .buffers import BufferRouter, as_bytes, mpi_typed, query_cuda_aware
+
+__all__ = ["Communicator", "Handle"]
+
+_REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+class Handle:
+    """A pending non-blocking operation; ``wait()`` completes it and returns its result."""
+
+    def __init__(self, request, finish):
+        self._request = request
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def test(self) -> bool:
+        """True when the operation has completed (without blocking)."""
+        return self._done or bool(self._request.Test())
+
+    def wait(self):
+        """Block until complete; return the received tensor (idempotent)."""
+        if not self._done:
+            self._request.Wait()
+            self._result = self._finish()
+            self._done = True
+        return self._result
+
+
+class Communicator:
+    """The one object through which mpicomm talks MPI.
+
+    Parameters
+    ----------
+    comm: an mpi4py intracommunicator (e.g. ``MPI.COMM_WORLD``); passed in, never fetched globally.
+    topology: a ``Topology`` or ``Schedule`` whose size equals ``comm``'s size.
+    ledger: where traffic is booked (a fresh one per communicator by default).
+    cuda_aware: whether MPI takes device pointers; ``None`` probes the library (see ``query_cuda_aware``).
+    stage: ``"auto"``, ``"always"`` or ``"never"``; see :class:`~mpicomm.comm.buffers.BufferRouter`.
+    """
+
+    def __init__(self, comm, topology, *, ledger: Ledger | None = None, cuda_aware: bool | None = None,
+                 stage: str = "auto"):
+        if topology.size != comm.Get_size():
+            # Topology and world size are the same on every rank, so every rank raises this together.
+            raise ValueError(
+                f"topology {topology.name!r} has {topology.size} ranks but the MPI communicator has "
+                f"{comm.Get_size()}; build the topology with n = comm.Get_size()"
+            )
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.schedule = topology
+        self.ledger = ledger if ledger is not None else Ledger(self.rank)
+        self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
+        self._recv: dict[tuple, torch.Tensor] = {}
+        self._graphs: list = []
+        by_topology: dict = {}
+        for step in range(topology.period):
+            topo = topology.at(step)
+            if topo not in by_topology:
+                by_topology[topo] = comm.Create_dist_graph_adjacent(
+                    list(topo.in_neighbors(self.rank)), list(topo.out_neighbors(self.rank)), reorder=False
+                )
+            self._graphs.append((topo, by_topology[topo]))
+
+    # ------------------------------------------------------------------ topology helpers
+    def topology(self, step: int = 0):
+        """The (static) topology in force at ``step``."""
+        return self._graphs[step % len(self._graphs)][0]
+
+    def in_neighbors(self, step: int = 0) -> tuple[int, ...]:
+        """Ranks this rank receives from at ``step``, in the row order of neighbour receive buffers."""
+        return self.topology(step).in_neighbors(self.rank)
+
+    def out_neighbors(self, step: int = 0) -> tuple[int, ...]:
+        """Ranks this rank sends to at ``step``."""
+        return self.topology(step).out_neighbors(self.rank)
+
+    def _recv_buffer(self, op: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        key = (op, shape, like.dtype, like.device)
+        buf = self._recv.get(key)
+        if buf is None:
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._recv[key] = buf
+        return buf
+
+    @staticmethod
+    def _check_out(out: torch.Tensor, shape: tuple, like: torch.Tensor, op: str) -> None:
+        if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
+            raise ValueError(
+                f"{op}: out must have shape {shape}, dtype {like.dtype} on {like.device}; "
+                f"got shape {tuple(out.shape)}, dtype {out.dtype} on {out.device}"
+            )
+
+    # ------------------------------------------------------------------ neighbour collectives
+    def neighbor_allgather(self, send: torch.Tensor, out: torch.Tensor | None = None, step: int = 0):
+        """Send ``send`` to every out-neighbour; return ``(len(in_neighbors), *send.shape)`` received rows."""
+        return self._neighbor_allgather(send, out, step, blocking=True)
+
+    def ineighbor_allgather(self, send: torch.Tensor, out: torch.Tensor | None = None, step: int = 0) -> Handle:
+        """Non-blocking :meth:`neighbor_allgather`; ``send`` must not change until ``wait()``."""
+        return self._neighbor_allgather(send, out, step, blocking=False)
+
+    def _neighbor_allgather(self, send, out, step, blocking):
+        topo, graph = self._graphs[step % len(self._graphs)]
+        sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
+        shape = (len(sources), *send.shape)
+        if out is None:
+            out = self._recv_buffer("neighbor_allgather", shape, send)
+        self._check_out(out, shape, send, "neighbor_allgather")
+        sbuf = self.router.outbound("neighbor_allgather", send)
+        rbuf, land = self.router.inbound("neighbor_allgather", out)
+        nbytes = send.numel() * send.element_size()
+        self.ledger.record("neighbor_allgather", nbytes, dict.fromkeys(dests, nbytes),
+                           dict.fromkeys(sources, nbytes))
+
+        def finish():
+            land()
+            return out
+
+        if blocking:
+            graph.Neighbor_allgather(as_bytes(sbuf), as_bytes(rbuf))
+            return finish()
+        return Handle(graph.Ineighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)), finish)
+
+    def neighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int],
+                           step: int = 0) -> list[torch.Tensor]:
+        """Send ``sends[k]`` to the k-th out-neighbour; return the tensors received from each in-neighbour.
+
+        ``recv_numels[k]`` is the element count expected from the k-th in-neighbour (payload sizes are
+        known from the codec, so no count exchange is needed). All tensors share one dtype and device.
+        """
+        topo, graph = self._graphs[step % len(self._graphs)]
+        sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
+        if len(sends) != len(dests) or len(recv_numels) != len(sources):
+            raise ValueError(
+                f"neighbor_alltoallv: rank {self.rank} has {len(dests)} out-neighbours and {len(sources)} "
+                f"in-neighbours at step {step}; got {len(sends)} send tensors and {len(recv_numels)} counts"
+            )
+        like = sends[0] if sends else torch.empty(0)
+        send_counts = [int(t.numel()) for t in sends]
+        packed_send = self._recv_buffer("neighbor_alltoallv:send", (sum(send_counts),), like)
+        if sends:
+            torch.cat([t.reshape(-1) for t in sends], out=packed_send)
+        packed_recv = self._recv_buffer("neighbor_alltoallv", (sum(recv_numels),), like)
+        sbuf = self.router.outbound("neighbor_alltoallv", packed_send)
+        rbuf, land = self.router.inbound("neighbor_alltoallv", packed_recv)
+        size = like.element_size()
+        sdispl, rdispl = _displacements(send_counts), _displacements(recv_numels)
+        graph.Neighbor_alltoallv(
+            [as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
+            [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE],
+        )
+        land()
+        self.ledger.record("neighbor_alltoallv", sum(send_counts) * size,
+                           {d: c * size for d, c in zip(dests, send_counts)},
+                           {s: c * size for s, c in zip(sources, recv_numels)})
+        return [packed_recv[d:d + c] for d, c in zip(rdispl, recv_numels)]
+
+    # ------------------------------------------------------------------ centralized collectives
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place allreduce of ``t`` (``op`` in sum/max/min); returns ``t``."""
+        return self._allreduce(t, op, blocking=True)
+
+    def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Handle:
+        """Non-blocking in-place allreduce; ``wait()`` returns ``t``."""
+        return self._allreduce(t, op, blocking=False)
+
+    def _allreduce(self, t, op, blocking):
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"allreduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        buf, land = self.router.inbound("allreduce", t)
+        if buf is not t:
+            buf.copy_(t)
+        nbytes = t.numel() * t.element_size()
+        volume = 2 * (self.size - 1) * nbytes // self.size
+        peers = {ANY: volume} if self.size > 1 else {}
+        self.ledger.record("allreduce", nbytes, peers, peers)
+
+        def finish():
+            land()
+            return t
+
+        if blocking:
+            self.comm.Allreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op])
+            return finish()
+        return Handle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]), finish)
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather ``send`` from every rank; returns ``(size, *send.shape)`` in rank order."""
+        return self._allgather(send, out, blocking=True)
+
+    def iallgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
+        """Non-blocking :meth:`allgather`."""
+        return self._allgather(send, out, blocking=False)
+
+    def _allgather(self, send, out, blocking):
+        shape = (self.size, *send.shape)
+        if out is None:
+            out = self._recv_buffer("allgather", shape, send)
+        self._check_out(out, shape, send, "allgather")
+        sbuf = self.router.outbound("allgather", send)
+        rbuf, land = self.router.inbound("allgather", out)
+        nbytes = send.numel() * send.element_size()
+        others = {p: nbytes for p in range(self.size) if p != self.rank}
+        self.ledger.record("allgather", nbytes, others, others)
+
+        def finish():
+            land()
+            return out
+
+        if blocking:
+            self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf))
+            return finish()
+        return Handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish)
+
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Send chunk k of ``send`` (split evenly along dim 0) to rank k; returns the chunks received, in rank order."""
+        return self._alltoall(send, out, blocking=True)
+
+    def ialltoall(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
+        """Non-blocking :meth:`alltoall`."""
+        return self._alltoall(send, out, blocking=False)
+
+    def _alltoall(self, send, out, blocking):
+        if send.dim() == 0 or send.shape[0] % self.size:
+            raise ValueError(
+                f"alltoall: dim 0 of send (shape {tuple(send.shape)}) must be a multiple of the "
+                f"{self.size} ranks; pad it first"
+            )
+        shape = tuple(send.shape)
+        if out is None:
+            out = self._recv_buffer("alltoall", shape, send)
+        self._check_out(out, shape, send, "alltoall")
+        sbuf = self.router.outbound("alltoall", send)
+        rbuf, land = self.router.inbound("alltoall", out)
+        chunk = send.numel() * send.element_size() // self.size
+        others = {p: chunk for p in range(self.size) if p != self.rank}
+        self.ledger.record("alltoall", send.numel() * send.element_size(), others, others)
+
+        def finish():
+            land()
+            return out
+
+        if blocking:
+            self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf))
+            return finish()
+        return Handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish)
+
+    def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In-place broadcast of ``t`` from ``root``; returns ``t``."""
+        buf, land = self.router.inbound("bcast", t)
+        if buf is not t and self.rank == root:
+            buf.copy_(t)
+        nbytes = t.numel() * t.element_size()
+        if self.rank == root:
+            self.ledger.record("bcast", nbytes, {p: nbytes for p in range(self.size) if p != root}, {})
+        else:
+            self.ledger.record("bcast", 0, {}, {root: nbytes})
+        self.comm.Bcast(as_bytes(buf), root=root)
+        land()
+        return t
+
+    def barrier(self) -> None:
+        """Block until every rank arrives."""
+        self.comm.Barrier()
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += int(c)
+    return out

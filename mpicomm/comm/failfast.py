@@ -1,0 +1,54 @@
+"""Fail fast across ranks: one rank's error ends the job, or becomes the same error on every rank.
+
+Two tools, for two situations:
+
+* :func:`abort_on_exception` turns an uncaught exception on any rank into ``MPI_Abort`` so that the
+  other ranks, possibly blocked in a collective, are ended within seconds with a non-zero exit. It is
+  what ``python -m mpi4py script.py`` does; the ``mpicomm`` entry point applies it itself.
+* :func:`raise_together` is for errors every rank can reach the same point with (bad configuration,
+  mismatched models): each rank passes its local error or ``None``; every rank then raises the same
+  error, naming the first failing rank, and nobody is left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+
+from mpi4py import MPI
+
+__all__ = ["abort_on_exception", "raise_together"]
+
+
+@contextlib.contextmanager
+def abort_on_exception(comm=None, exit_code: int = 1):
+    """Run the body; on an uncaught exception print it with the rank and call ``comm.Abort(exit_code)``.
+
+    ``SystemExit`` with code 0 passes through. Under one process (size 1) the exception propagates
+    normally, so tracebacks stay readable in serial use.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0) or comm.Get_size() == 1:
+            raise
+        sys.stderr.write(f"[rank {comm.Get_rank()}] exiting with {exc.code}; aborting the job\n")
+        sys.stderr.flush()
+        comm.Abort(exc.code if isinstance(exc.code, int) else exit_code)
+    except BaseException:
+        if comm.Get_size() == 1:
+            raise
+        sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception; aborting the job\n")
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(exit_code)
+
+
+def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] = ValueError) -> None:
+    """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank."""
+    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    for rank, message in enumerate(messages):
+        if message is not None:
+            raise exc_type(f"rank {rank}: {message}") from error

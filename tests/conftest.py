@@ -1,0 +1,30 @@
+"""Shared fixtures. MPI is imported lazily so the serial tier never needs a launcher."""
+
+import traceback
+
+import pytest
+
+
+@pytest.fixture
+def comm():
+    """``MPI.COMM_WORLD`` for tests marked ``mpi`` (run under mpiexec with --with-mpi)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def assert_all(comm, ok: bool, detail: str = "") -> None:
+    """Collective assertion: every rank reaches it, and every rank fails if any rank's ``ok`` is false."""
+    results = comm.allgather((bool(ok), str(detail)))
+    bad = [(rank, d) for rank, (good, d) in enumerate(results) if not good]
+    assert not bad, "failed on rank(s): " + "; ".join(f"{r}: {d}" for r, d in bad)
+
+
+def run_all(comm, body) -> None:
+    """Run ``body()`` on every rank, then fail on every rank if it raised on any (with the traceback)."""
+    try:
+        body()
+        ok, detail = True, ""
+    except Exception:  # noqa: BLE001 - reported collectively below
+        ok, detail = False, traceback.format_exc(limit=6)
+    assert_all(comm, ok, detail)
