@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install mpicomm with its MPI and test extras.
 # torch is pinned to the CPU build first so nothing pulls a multi-GB CUDA wheel.
-# Override: PYTHON=python3.11 TORCH_SPEC='torch==2.13.0' MPICOMM_EXTRAS='mpi,test'
+# Override: PYTHON=python3.11 TORCH_SPEC='torch==2.13.0' MPICOMM_EXTRAS='mpi,apps,test'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${MPICOMM_EXTRAS:-mpi,test}
+EXTRAS=${MPICOMM_EXTRAS:-mpi,apps,test}
 stamp=.venv/.mpicomm-installed
 want="$(cat setup.cfg setup.py | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "$TORCH_SPEC"
-  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  echo "setting up .venv ($TORCH_SPEC, mpicomm[$EXTRAS]); log in .venv/install.log"
+  {
+    .venv/bin/python -m pip install --upgrade pip &&
+    .venv/bin/python -m pip install "$TORCH_SPEC" &&
+    .venv/bin/python -m pip install -e ".[$EXTRAS]"
+  } > .venv/install.log 2>&1 || { tail -40 .venv/install.log; echo "set-up failed; see .venv/install.log"; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,58 @@
+"""D-PSGD: decentralized parallel SGD with full-precision gossip.
+
+Lian, Zhang, Zhang, Hsieh, Zhang, Liu. "Can Decentralized Algorithms Outperform Centralized
+Algorithms? A Case Study for Decentralized Parallel Stochastic Gradient Descent." NeurIPS 2017.
+
+Update at step t on rank i (W_t the mixing matrix in force at step t, g_i the stochastic gradient
+at x_i, plus weight_decay * x_i)::
+
+    x_i <- sum_j W_t[i, j] x_j - alpha * g_i          (with momentum: m_i <- mu m_i + g_i; use m_i)
+
+One ``neighbor_allgather`` of the full fp32 model per step. Memory beyond the model: the receive
+buffer (in-degree x d) and, with momentum, torch's momentum buffer. This is the reference every
+compressed decentralized algorithm reduces to with the identity codec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from .registry import register
+
+__all__ = ["DPSGD", "gossip_average"]
+
+
+def gossip_average(x: torch.Tensor, received: torch.Tensor, self_weight: float, weights) -> torch.Tensor:
+    """``x <- self_weight * x + sum_k weights[k] * received[k]`` in place; returns ``x``."""
+    x.mul_(self_weight)
+    for w, row in zip(weights, received):
+        x.add_(row, alpha=w)
+    return x
+
+
+@register
+class DPSGD(Algorithm):
+    """Decentralized parallel SGD (full-precision neighbour averaging, then a local SGD step)."""
+
+    name = "dpsgd"
+    config_class = AlgorithmConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.optimizer = self._local_sgd()
+
+    def _step(self, grad: torch.Tensor) -> None:
+        self._decayed(grad)
+        x = self.flat.data
+        topo = self.comm.topology(self.step_count)
+        received = self.comm.neighbor_allgather(x, step=self.step_count)
+        gossip_average(x, received, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))
+        self._sgd_step(self.optimizer, self.lr)
+
+    def _extra_state(self):
+        return {"optimizer": clone_optimizer_state(self.optimizer)}
+
+    def _load_extra_state(self, extra):
+        self.optimizer.load_state_dict(extra["optimizer"])
+

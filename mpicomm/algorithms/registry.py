@@ -1,0 +1,41 @@
+"""A plain dict from algorithm name to class, and ``make_algorithm`` that builds one from keyword options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..comm import raise_together
+from .base import Algorithm
+
+__all__ = ["ALGORITHMS", "make_algorithm", "register"]
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: add ``cls`` to :data:`ALGORITHMS` under ``cls.name``."""
+    if cls.name in ALGORITHMS:
+        raise ValueError(f"algorithm name {cls.name!r} is registered twice")
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def make_algorithm(name: str, model, comm, **options) -> Algorithm:
+    """Build algorithm ``name`` around ``model`` on ``comm`` with its config fields given as ``options``.
+
+    Collective: an unknown name or option, or an invalid value, raises the same ``ValueError`` on
+    every rank (naming the option and what is allowed) instead of leaving ranks out of step.
+    """
+    error, config, cls = None, None, ALGORITHMS.get(name)
+    try:
+        if cls is None:
+            raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+        fields = {f.name for f in dataclasses.fields(cls.config_class)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"{name}: unknown option(s) {unknown}; valid options are {sorted(fields)}")
+        config = cls.config_class(**options)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    raise_together(comm.comm, error)
+    return cls(model, comm, config)

@@ -1,0 +1,98 @@
+"""A model's parameters (and gradients) as views into one flat contiguous buffer.
+
+Algorithms encode, send and update one vector per step instead of one tensor per layer. After
+``FlatParameters(model)`` every trainable parameter's ``.data`` is a view into ``flat.data`` and its
+``.grad`` a view into ``flat.grad``; ``layers`` keeps each parameter's (name, offset, shape) for
+per-layer codecs such as HSQ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FlatParameters", "Layer"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Where one parameter tensor lives in the flat buffer."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of this parameter."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class FlatParameters:
+    """Re-home a model's trainable parameters into one contiguous buffer (``data``) and gradient (``grad``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no trainable parameters (requires_grad=True); nothing to train")
+        dtypes = {p.dtype for _, p in named}
+        devices = {p.device for _, p in named}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(
+                f"all trainable parameters must share one dtype and device to be flattened; "
+                f"got dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}"
+            )
+        self.params = [p for _, p in named]
+        self.layers: list[Layer] = []
+        offset = 0
+        for name, p in named:
+            self.layers.append(Layer(name, offset, tuple(p.shape)))
+            offset += p.numel()
+        self.numel = offset
+        like = self.params[0]
+        self.data = torch.empty(offset, dtype=like.dtype, device=like.device)
+        self.grad = torch.zeros(offset, dtype=like.dtype, device=like.device)
+        for p, layer in zip(self.params, self.layers):
+            view = self.data[layer.offset:layer.offset + layer.numel]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(layer.shape)
+            p.grad = self.grad[layer.offset:layer.offset + layer.numel].view(layer.shape)
+
+    def signature(self) -> tuple:
+        """(numel, names and shapes): equal on two ranks iff they wrap the same architecture."""
+        return self.numel, tuple((layer.name, layer.shape) for layer in self.layers)
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient (and re-attach any ``.grad`` that was set to ``None``)."""
+        self.grad.zero_()
+        self.gather_grads()
+
+    def gather_grads(self) -> torch.Tensor:
+        """Make sure every ``p.grad`` is a view of ``grad`` (copying in a replaced one); return ``grad``.
+
+        ``optimizer.zero_grad(set_to_none=True)`` or autograd may replace a ``.grad`` tensor; this
+        copies such a gradient into its slice and re-points ``p.grad`` at the slice.
+        """
+        for p, layer in zip(self.params, self.layers):
+            view = self.grad[layer.offset:layer.offset + layer.numel]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            else:
+                continue
+            p.grad = view.view(layer.shape)
+        return self.grad
+
+    def check_data_views(self) -> None:
+        """Raise if a parameter's ``.data`` no longer lives in the flat buffer (someone re-assigned it)."""
+        for p, layer in zip(self.params, self.layers):
+            if p.data_ptr() != self.data[layer.offset:].data_ptr():
+                raise RuntimeError(
+                    f"parameter {layer.name!r} was re-assigned and is no longer a view of the flat buffer; "
+                    "update parameters in place (param.data.copy_ / optimizer steps) after wrapping the model"
+                )
