@@ -1,0 +1,363 @@
+"""HSQ: hyper-sphere (vector) quantization of a layered gradient against a shared codebook of unit vectors.
+
+Dai, Yan, Zhou, Yang, Ng, Cheng, Fan. "Hyper-Sphere Quantization: Communication-Efficient SGD for
+Federated Learning." arXiv, November 2019.
+
+Per layer of D numbers (D > ``min_compress``; smaller layers travel as raw float32), the layer is viewed as
+N = ceil(D/d) chunks g_m of dimension d (the last one zero-padded). C is a (K, d) codebook of unit rows::
+
+    greedy:    p = C g_m;  k* = argmax_k |p_k|;  send (k*, u = p_k*)        decode u * c_k*  (projection; biased)
+    unbiased:  a = pinv(C^T) g_m  (so g_m = C^T a);  pick k w.p. |a_k| / ||a||_1 (inverse CDF)
+               send (k, u = sign(a_k) ||a||_1)                            decode u * c_k   (E[decode] = g_m)
+
+The N values u of a layer are quantized with stochastic min-max uniform quantization at ``n_bit`` bits
+(``UniformCodec``: lo = min u, hi = max u as float32, E[u_hat] = u). Codebooks are built on the CPU in
+float64 from ``codebook_seed`` and cast to float32, so every rank holds the same bytes (see
+``codebook_digest``); ``seed`` drives only the random draws (norm rounding, index sampling) and should
+differ per rank.
+
+Payload (self-contained uint8, layers in layout order, each layer's section starting on a byte boundary):
+
+    raw layer (D <= min_compress):  4*D bytes of float32
+    compressed layer:               [lo, hi float32 (8 B)][ceil(N*n_bit/8) B of norm codes]
+                                    [ceil(N*b/8) B of indices],  b = ceil(log2 K)
+
+so a compressed layer costs exactly 64 + ceil(N*n_bit/8)*8 + ceil(N*b/8)*8 bits: the only rounding is up
+to a whole byte at the end of the norm codes and at the end of the indices. Indices of b <= 8 bits use
+``bitpack`` at b bits; for 9 <= b <= 16 the low byte of every index is stored first (N bytes), then the
+high b-8 bits packed (``ceil(N*(b-8)/8)`` bytes), which is again ``ceil(N*b/8)`` bytes in total. An
+all-zero payload decodes to an all-zero gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import bitpack
+from ._layout import check_numel, chunk_elems, prepare_out, read_field, write_field
+from ._rng import SeededGenerator, check_seed
+from .base import Codec, check_flat_float, check_payload
+from .uniform import UniformCodec
+
+__all__ = [
+    "CODEBOOKS",
+    "HSQCodec",
+    "KMEANS_ITERS",
+    "KMEANS_SAMPLES_PER_CODEWORD",
+    "MODES",
+    "check_hsq_options",
+    "codebook",
+    "coefficient_map",
+    "default_k",
+    "greedy_select",
+    "index_bits",
+    "inverse_cdf_sample",
+]
+
+CODEBOOKS = ("gaussian", "kmeans", "orthonormal", "rotation", "identity")
+"""Codebook kinds; ``"rotation"`` is another name for ``"orthonormal"`` (a seeded random rotation)."""
+MODES = ("greedy", "unbiased")
+KMEANS_SAMPLES_PER_CODEWORD = 32
+"""Spherical k-means clusters 32*K normalised Gaussian samples ..."""
+KMEANS_ITERS = 30
+"""... for a fixed 30 Lloyd iterations (cost O(32 K^2 d * 30) float64 flops, once per process)."""
+_SQUARE = ("orthonormal", "rotation", "identity")  # kinds with K = d
+_SAMPLER_SALT = 0x5A5A_5A5A_5A5A_5A5A  # the index sampler's seed is seed XOR this (distinct from the norm RNG)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def default_k(kind: str, d: int) -> int:
+    """The codebook size used when K is None: d for orthonormal/rotation/identity, 256 otherwise."""
+    return d if kind in _SQUARE else 256
+
+
+def index_bits(k: int) -> int:
+    """Bits of one codeword index: ceil(log2 K)."""
+    return (k - 1).bit_length()
+
+
+def check_hsq_options(d, k, kind, mode, n_bit, min_compress) -> int:
+    """Validate the HSQ options (ValueError naming the argument); return the effective K."""
+    if not _is_int(d) or d < 1:
+        raise ValueError(f"d must be a positive int (chunk dimension), got {d!r}")
+    if kind not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {kind!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not _is_int(n_bit) or not 1 <= n_bit <= 8:
+        raise ValueError(f"n_bit must be an int in 1..8 (bits per quantized norm), got {n_bit!r}")
+    if not _is_int(min_compress) or min_compress < 0:
+        raise ValueError(f"min_compress must be a non-negative int, got {min_compress!r}")
+    k = default_k(kind, d) if k is None else k
+    if not _is_int(k) or not 2 <= k <= 1 << 16:
+        raise ValueError(f"K must be an int in 2..65536 (codebook size), got {k!r}")
+    if kind in _SQUARE and k != d:
+        raise ValueError(f"K must equal d = {d} for the {kind!r} codebook (or be None), got K={k}")
+    if kind not in _SQUARE and k & (k - 1):
+        raise ValueError(f"K must be a power of two for the {kind!r} codebook, got K={k}")
+    if mode == "unbiased" and k < d:
+        raise ValueError(f"K must be >= d for mode='unbiased' (C must span R^d), got K={k} < d={d}")
+    return k
+
+
+# ---- codebooks ----------------------------------------------------------------------------------------
+
+
+def _unit_rows(c: torch.Tensor) -> torch.Tensor:
+    return c / c.norm(dim=1, keepdim=True)
+
+
+def _spherical_kmeans(d: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = _unit_rows(torch.randn(KMEANS_SAMPLES_PER_CODEWORD * k, d, dtype=torch.float64, generator=gen))
+    cent = x[:k].clone()
+    for _ in range(KMEANS_ITERS):
+        assign = (x @ cent.T).argmax(dim=1)
+        sums = torch.zeros_like(cent).index_add_(0, assign, x)
+        norms = sums.norm(dim=1)
+        keep = norms > 0  # an empty cluster keeps its previous centroid
+        cent[keep] = sums[keep] / norms[keep, None]
+    return cent
+
+
+@functools.cache
+def _codebook_cpu(kind: str, d: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "identity":
+        c = torch.eye(d, dtype=torch.float64)
+    elif kind in ("orthonormal", "rotation"):
+        q, r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=gen))
+        c = (q * torch.sign(torch.diagonal(r))).T  # Haar-distributed rotation; its rows are orthonormal
+    elif kind == "gaussian":
+        c = torch.randn(k, d, dtype=torch.float64, generator=gen)
+    else:
+        c = _spherical_kmeans(d, k, gen)
+    return _unit_rows(c).to(torch.float32)
+
+
+def codebook(kind: str, d: int, k: int | None = None, seed: int = 0) -> torch.Tensor:
+    """The (K, d) float32 codebook of unit rows that ``kind``, ``d``, ``K`` and ``seed`` define (a copy)."""
+    k = check_hsq_options(d, k, kind, "greedy", 1, 0)
+    return _codebook_cpu("orthonormal" if kind == "rotation" else kind, d, k, check_seed(seed)).clone()
+
+
+def coefficient_map(cb: torch.Tensor) -> torch.Tensor:
+    """P^T (d, K) for a (K, d) codebook: a = g P^T are the minimum-norm coefficients with g = C^T a.
+
+    Computed in float64 as pinv(C^T)^T and cast to float32; raises ``ValueError`` unless rank(C) = d.
+    """
+    c = cb.double()
+    d, rank = c.shape[1], int(torch.linalg.matrix_rank(c))
+    if rank < d:
+        raise ValueError(f"codebook of shape {tuple(c.shape)} has rank {rank} < d = {d}; mode='unbiased' "
+                         "needs a codebook that spans R^d")
+    return torch.linalg.pinv(c.T).T.contiguous().to(torch.float32)
+
+
+@functools.cache
+def _coefficient_map(kind: str, d: int, k: int, seed: int) -> torch.Tensor:
+    return coefficient_map(_codebook_cpu(kind, d, k, seed))
+
+
+# ---- the two encoders, on a (rows, d) block of chunks --------------------------------------------------
+
+
+def _argmax_rows(a: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum); numpy's SIMD argmax on a CPU is ~10x faster than torch's."""
+    if bitpack.numpy_enabled(a.device):
+        return torch.from_numpy(np.argmax(a.detach().numpy(), axis=1))
+    return a.argmax(dim=1)
+
+
+def greedy_select(chunks: torch.Tensor, cb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy HSQ of each row of ``chunks``: (k* = argmax_k |<c_k, g>|, u = <c_k*, g>)."""
+    p = chunks @ cb.T
+    idx = _argmax_rows(p.abs())
+    return idx, p.gather(1, idx[:, None]).squeeze(1)
+
+
+def inverse_cdf_sample(weights: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Index k of each row drawn with probability weights[k]/sum(weights) given uniforms ``r`` in [0, 1).
+
+    k is the number of cumulative sums <= r * total. Entries from the first one that reaches the row
+    total onwards are set to +inf, so rounding can never select a zero-weight index; an all-zero row
+    selects index 0.
+    """
+    cdf = torch.cumsum(weights, dim=1)
+    total = cdf[:, -1:].clone()
+    cdf.masked_fill_(cdf >= total, math.inf)
+    return torch.searchsorted(cdf, r[:, None] * total, right=True).squeeze(1)
+
+
+# ---- the codec ------------------------------------------------------------------------------------------
+
+
+def _layer_sizes(layout: Sequence) -> list[int]:
+    sizes = [getattr(layer, "numel", layer) for layer in layout]
+    if isinstance(layout, (str, bytes)) or not all(_is_int(s) and s >= 0 for s in sizes):
+        raise ValueError("layout must be a sequence of non-negative layer sizes (ints or objects with .numel), "
+                         f"got {layout!r}")
+    return sizes
+
+
+class HSQCodec(Codec):
+    """HSQ of a flat gradient laid out as ``layout`` (layer sizes, in order): per-layer chunk vector quantization."""
+
+    name = "hsq"
+
+    def __init__(
+        self,
+        layout: Sequence,
+        d: int = 16,
+        K: int | None = None,
+        codebook: str = "gaussian",
+        mode: str = "greedy",
+        n_bit: int = 6,
+        min_compress: int = 1000,
+        seed: int = 0,
+        codebook_seed: int = 0,
+    ):
+        self.k = check_hsq_options(d, K, codebook, mode, n_bit, min_compress)
+        self.sizes = _layer_sizes(layout)
+        self.d, self.kind, self.mode, self.n_bit, self.min_compress = d, codebook, mode, n_bit, min_compress
+        self.bits = index_bits(self.k)
+        self.codebook_seed = check_seed(codebook_seed)
+        kind = "orthonormal" if codebook == "rotation" else codebook
+        self._cb_cpu = _codebook_cpu(kind, d, self.k, self.codebook_seed)
+        self._pt_cpu = _coefficient_map(kind, d, self.k, self.codebook_seed) if mode == "unbiased" else None
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._norms = UniformCodec(n_bit, rounding="stochastic", seed=check_seed(seed))
+        self._sampler = SeededGenerator(seed ^ _SAMPLER_SALT)
+        self._plan = []  # per layer: (offset, D, N chunks or 0 for raw, payload offset)
+        offset = pos = 0
+        for size in self.sizes:
+            n = -(-size // d) if size > min_compress else 0
+            self._plan.append((offset, size, n, pos))
+            offset += size
+            pos += self._layer_bytes(size, n)
+        self.numel, self._bytes = offset, pos
+
+    # ------------------------------------------------------------------ sizes
+    def _layer_bytes(self, size: int, n: int) -> int:
+        if n == 0:
+            return 4 * size
+        return self._norms.payload_bytes(n) + (n * self.bits + 7) // 8
+
+    def payload_bytes(self, numel: int) -> int:
+        """Sum over layers of 4*D (raw) or 8 + ceil(N*n_bit/8) + ceil(N*ceil(log2 K)/8) (compressed)."""
+        if check_numel(numel, "HSQCodec.payload_bytes") != self.numel:
+            raise ValueError(f"HSQCodec: numel must equal the layout total {self.numel}, got {numel}")
+        return self._bytes
+
+    def codebook_digest(self) -> str:
+        """SHA-256 of the codebook's float32 bytes (equal on two ranks iff they hold the same codebook)."""
+        return hashlib.sha256(self._cb_cpu.numpy().tobytes()).hexdigest()
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if device not in self._tables:
+            pt = None if self._pt_cpu is None else self._pt_cpu.to(device)
+            self._tables[device] = (self._cb_cpu.to(device), pt)
+        return self._tables[device]
+
+    # ------------------------------------------------------------------ encode
+    def _chunks(self, x: torch.Tensor, offset: int, size: int, n: int) -> torch.Tensor:
+        """The layer as an (n, d) float32 matrix, zero-padded at the end."""
+        src = x[offset : offset + size]
+        if size == n * self.d and src.dtype == torch.float32:
+            return src.view(n, self.d)
+        buf = torch.zeros(n * self.d, dtype=torch.float32, device=x.device)
+        buf[:size].copy_(src)
+        return buf.view(n, self.d)
+
+    def _select(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int64, u float32) for every chunk, in row blocks of about ``chunk_elems`` coefficients."""
+        cb, pt = self._on(chunks.device)
+        n = chunks.shape[0]
+        idx = torch.empty(n, dtype=torch.int64, device=chunks.device)
+        u = torch.empty(n, dtype=torch.float32, device=chunks.device)
+        rows = max(1, chunk_elems(chunks.device) // self.k)
+        for start in range(0, n, rows):
+            block = chunks[start : start + rows]
+            if self.mode == "greedy":
+                i, v = greedy_select(block, cb)
+            else:
+                a = block @ pt
+                w = a.abs()
+                r = torch.rand(block.shape[0], device=block.device, generator=self._sampler.get(block.device))
+                i = inverse_cdf_sample(w, r)
+                v = torch.sign(a.gather(1, i[:, None]).squeeze(1)).mul_(w.sum(dim=1))
+            idx[start : start + rows], u[start : start + rows] = i, v
+        return idx, u
+
+    def _pack_indices(self, idx: torch.Tensor, out: torch.Tensor) -> None:
+        b, n = self.bits, idx.numel()
+        if b <= 8:
+            bitpack.pack(idx.to(torch.uint8), b, out=out, check=False)
+        else:
+            out[:n].copy_(idx & 255)
+            bitpack.pack((idx >> 8).to(torch.uint8), b - 8, out=out[n:], check=False)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode every layer of the flat tensor ``x`` (raw float32 or norms + packed indices)."""
+        check_flat_float(x, "HSQCodec.encode")
+        x = x.detach()
+        payload = torch.empty(self.payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+        for offset, size, n, pos in self._plan:
+            if n == 0:
+                write_field(payload, pos, x[offset : offset + size].float())
+                continue
+            idx, u = self._select(self._chunks(x, offset, size, n))
+            nb = self._norms.payload_bytes(n)
+            payload[pos : pos + nb].copy_(self._norms.encode(u))
+            self._pack_indices(idx, payload[pos + nb : pos + self._layer_bytes(size, n)])
+        return payload
+
+    # ------------------------------------------------------------------ decode
+    def _unpack_indices(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        b = self.bits
+        if b <= 8:
+            return bitpack.unpack(packed, b, n).to(torch.int64)
+        high = bitpack.unpack(packed[n:], b - 8, n).to(torch.int64)
+        return high.bitwise_left_shift_(8).bitwise_or_(packed[:n].to(torch.int64))
+
+    def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``u_hat * c_k`` per chunk (the padding dropped) for compressed layers, the float32 values for raw ones."""
+        check_payload(payload, self.payload_bytes(numel), "HSQCodec.decode")
+        dev = payload.device
+        out = prepare_out(out, numel, dev, "HSQCodec.decode")
+        cb, _ = self._on(dev)
+        for offset, size, n, pos in self._plan:
+            dst = out[offset : offset + size]
+            if n == 0:
+                dst.copy_(read_field(payload, pos, size, torch.float32))
+                continue
+            nb = self._norms.payload_bytes(n)
+            u = self._norms.decode(payload[pos : pos + nb], n)
+            idx = self._unpack_indices(payload[pos + nb : pos + self._layer_bytes(size, n)], n)
+            vec = torch.index_select(cb, 0, idx).mul_(u[:, None])
+            dst.copy_(vec.view(-1)[:size])
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """States of the norm-rounding and index-sampling generators."""
+        return {"norms": self._norms.state_dict(), "sampler": self._sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the generator states saved by ``state_dict``."""
+        if set(state) != {"norms", "sampler"}:
+            raise ValueError(f"HSQCodec state_dict must have keys 'norms' and 'sampler', got {sorted(state)}")
+        self._norms.load_state_dict(state["norms"])
+        self._sampler.load_state_dict(state["sampler"])
+
+    def __repr__(self) -> str:
+        return (f"HSQCodec(layers={len(self.sizes)}, d={self.d}, K={self.k}, codebook={self.kind!r}, "
+                f"mode={self.mode!r}, n_bit={self.n_bit}, min_compress={self.min_compress})")

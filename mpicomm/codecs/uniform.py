@@ -1,0 +1,146 @@
+"""b-bit uniform (min-max) quantizer with nearest or stochastic rounding.
+
+With L = 2**bits - 1 and step = (hi - lo) / L, the grid is lo + k*step for k = 0..L (both ends
+included). An element is clamped to [lo, hi], mapped to y = (x - lo)/step and coded as
+
+    nearest:     k = floor(y + 1/2)           |x - x_hat| <= step/2 = (hi - lo) / (2L)
+    stochastic:  k = floor(y + u), u ~ U(0,1)  E[x_hat] = x for x in [lo, hi] (unbiased)
+
+then packed at ``bits`` bits per element. With ``lo``/``hi`` left as None the tensor's own min and
+max are used and written first in the payload as two float32 (an 8-byte header), so the payload is
+``8*[lo is None] + ceil(n*bits/8)`` bytes.
+
+u has 16-bit resolution (see ``_rng``), so the stochastic mean is exact to within 2**-17 of a step.
+Inputs of other float dtypes are quantized from their float32 values; non-finite inputs are not checked.
+The maths runs in float32 on chunk-sized buffers: the nearest-rounding bound holds up to float32
+rounding of (x - lo)/step and lo + k*step, i.e. a few ulps of max(|lo|, |hi|).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import bitpack
+from ._layout import (
+    check_numel,
+    chunk_elems,
+    chunk_ranges,
+    f32_chunk,
+    prepare_out,
+    read_field,
+    store_codes,
+    write_field,
+)
+from ._rng import SeededGenerator
+from .base import Codec, check_flat_float, check_payload
+
+__all__ = ["ROUNDINGS", "UniformCodec"]
+
+ROUNDINGS = ("nearest", "stochastic")
+
+
+class UniformCodec(Codec):
+    """``bits``-bit uniform quantizer on [lo, hi] (per-tensor min/max header when they are None)."""
+
+    name = "uniform"
+
+    def __init__(
+        self,
+        bits: int,
+        lo: float | None = None,
+        hi: float | None = None,
+        rounding: str = "nearest",
+        seed: int = 0,
+    ):
+        bitpack.packed_bytes(0, bits)  # validates bits
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if (lo is None) != (hi is None):
+            raise ValueError("lo and hi must both be given or both be None")
+        if lo is not None:
+            lo, hi = float(lo), float(hi)
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+                raise ValueError(f"need finite lo < hi, got lo={lo}, hi={hi}")
+        self.bits, self.lo, self.hi, self.rounding = bits, lo, hi, rounding
+        self.levels = (1 << bits) - 1
+        self._header = 8 if lo is None else 0
+        self._rng = SeededGenerator(seed) if rounding == "stochastic" else None
+
+    def payload_bytes(self, numel: int) -> int:
+        """``8`` header bytes (when lo/hi are per tensor) plus ``ceil(numel*bits/8)``."""
+        return self._header + bitpack.packed_bytes(check_numel(numel, "UniformCodec.payload_bytes"), self.bits)
+
+    def _range(self, payload: torch.Tensor) -> tuple[float, float]:
+        if self._header:
+            lo, hi = read_field(payload, 0, 2, torch.float32).tolist()
+            return lo, hi
+        return self.lo, self.hi
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize ``x`` to ``bits``-bit grid indices, packed after the optional [lo, hi] header."""
+        check_flat_float(x, "UniformCodec.encode")
+        x, n, bits = x.detach(), x.numel(), self.bits
+        payload = torch.empty(self.payload_bytes(n), dtype=torch.uint8, device=x.device)
+        if self._header:
+            bounds = torch.stack(torch.aminmax(x)).float() if n else torch.zeros(2, device=x.device)
+            write_field(payload, 0, bounds)
+        lo, hi = self._range(payload)
+        scale = self.levels / (hi - lo) if hi > lo else 0.0
+        rng = self._rng
+        body = payload[self._header :]
+        step = chunk_elems(x.device)
+        y = torch.empty(min(step, n), dtype=torch.float32, device=x.device)
+        u = torch.empty_like(y) if rng is not None else None
+        codes = torch.empty(y.numel(), dtype=torch.uint8, device=x.device)
+        for start, stop in chunk_ranges(n, step):
+            m = stop - start
+            yc, cc = y[:m], codes[:m]
+            torch.sub(f32_chunk(x[start:stop], yc), lo, out=yc)
+            yc.mul_(scale)
+            if rng is None:
+                yc.add_(0.5)
+            else:
+                yc.add_(rng.uniform_(u[:m]))
+            yc.clamp_(0.0, self.levels)
+            store_codes(cc, yc, bits)  # truncation == floor on non-negative values
+            out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
+            bitpack.pack(cc, bits, out=out, check=False)
+        return payload
+
+    def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``lo + k*step`` for every packed index ``k``."""
+        check_payload(payload, self.payload_bytes(numel), "UniformCodec.decode")
+        out = prepare_out(out, numel, payload.device, "UniformCodec.decode")
+        lo, hi = self._range(payload)
+        delta = (hi - lo) / self.levels
+        body, bits, dev = payload[self._header :], self.bits, payload.device
+        step = chunk_elems(dev)
+        lookup = bits in (1, 2, 4)  # one gather per byte beats unpack + convert + affine
+        if lookup:
+            table = torch.arange(self.levels + 1, dtype=torch.float32, device=dev).mul_(delta).add_(lo)
+        else:
+            codes = torch.empty(min(step, numel), dtype=torch.uint8, device=dev)
+        for start, stop in chunk_ranges(numel, step):
+            m = stop - start
+            oc = out[start:stop]
+            packed = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
+            if lookup:
+                bitpack.unpack_lookup(packed, bits, m, table, oc)
+            else:
+                oc.copy_(bitpack.unpack(packed, bits, m, out=codes[:m]))
+                oc.mul_(delta).add_(lo)
+        return out
+
+    def state_dict(self) -> dict:
+        """Generator state (stochastic rounding only)."""
+        return self._rng.state_dict() if self._rng is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the generator state saved by ``state_dict``."""
+        if self._rng is not None:
+            self._rng.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"UniformCodec(bits={self.bits}, lo={self.lo}, hi={self.hi}, rounding={self.rounding!r})"
