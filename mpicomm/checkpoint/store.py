@@ -1,0 +1,385 @@
+"""Save, load, list and prune checkpoints: one HDF5 file per rank joined by ``checkpoint.h5``, committed atomically.
+
+Layout under a root directory (see docs/checkpoints.md)::
+
+    ROOT/latest                      "step-000000123": the last committed checkpoint
+    ROOT/step-000000123/checkpoint.h5   rank 0: /meta (world size, step, time, versions, caller's meta),
+                                     /ranks/00000 -> ExternalLink("rank-00000.h5", "/ranks/00000"), ...
+    ROOT/step-000000123/rank-00000.h5   rank 0's state under /ranks/00000, written by rank 0
+
+Commit protocol of :func:`save_checkpoint`: every rank writes and fsyncs its file in
+``ROOT/.tmp-step-...``; the ranks agree that all writes succeeded; rank 0 writes and fsyncs
+``checkpoint.h5``, renames the directory to ``step-...`` (atomic on POSIX) and only then replaces
+``latest`` (write ``latest.tmp``, rename). A save that fails on any rank raises the same error on every
+rank and removes its temporary directory; one that dies leaves a ``.tmp-`` directory that readers
+ignore and the next save removes. All ranks must see the same file system at ``ROOT``.
+
+Collective calls use the communicator only for ``allgather`` of small Python objects: ``comm`` is a
+:class:`~mpicomm.comm.Communicator` or anything with ``Get_rank``, ``Get_size`` and ``allgather``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from .. import __version__
+from .tree import LIBVER, CheckpointError, read_tree, write_tree
+
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "run_meta", "save_checkpoint"]
+
+INDEX = "checkpoint.h5"
+LATEST = "latest"
+FORMAT = "mpicomm-checkpoint/1"
+_STEP_DIR = re.compile(r"step-(\d{9,})")
+_RESERVED = ("world_size", "step", "time", "versions")
+_IDENTITY = ("rank", "world_size", "step", "save_id")
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}.h5"
+
+
+def _rank_group(rank: int) -> str:
+    """Where a rank's state lives, the same path in its own file and in checkpoint.h5."""
+    return f"/ranks/{rank:05d}"
+
+
+def _raw(comm):
+    """The mpi4py-like communicator behind ``comm`` (a Communicator's ``.comm``, or ``comm`` itself)."""
+    raw = getattr(comm, "comm", comm)
+    if not all(hasattr(raw, a) for a in ("Get_rank", "Get_size", "allgather")):
+        raise TypeError(f"comm must be a Communicator or an mpi4py communicator, got {type(comm).__name__}")
+    return raw
+
+
+def _error_class(error: BaseException) -> type:
+    """The nearest class of ``error`` every rank can rebuild: CheckpointError or a builtin exception."""
+    return next(c for c in type(error).__mro__ if c is CheckpointError or getattr(builtins, c.__name__, None) is c)
+
+
+def _agree(raw, error: Exception | None, what: str, payload=None) -> list:
+    """Collective: every rank raises if any rank failed (first failure's type and message); else all payloads."""
+    mine = None if error is None else (_error_class(error).__name__, f"{type(error).__name__}: {error}")
+    gathered = raw.allgather((mine, payload))
+    failed = [(rank, report) for rank, (report, _) in enumerate(gathered) if report is not None]
+    if failed:
+        rank, (name, message) = failed[0]
+        more = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        text = f"{what} failed on rank {rank}{more}: {message}"
+        cls = CheckpointError if name == "CheckpointError" else getattr(builtins, name)
+        try:
+            exc = cls(text)
+        except TypeError:  # a builtin needing more arguments (UnicodeEncodeError)
+            exc = RuntimeError(text)
+        raise exc from error
+    return [p for _, p in gathered]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _versions() -> dict:
+    try:
+        mpi4py = importlib.metadata.version("mpi4py")
+    except importlib.metadata.PackageNotFoundError:
+        mpi4py = None
+    return {"mpicomm": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version, "mpi4py": mpi4py}
+
+
+def run_meta(comm, algorithm=None) -> dict:
+    """Standard meta/expect entries: the Communicator's topology (name, W) and the algorithm's name, config, model."""
+    out = {}
+    schedule = getattr(comm, "schedule", None)
+    if schedule is not None:
+        mats = [np.array(schedule.at(t).W) for t in range(schedule.period)]
+        out["topology"] = {"name": schedule.name, "W": mats[0] if len(mats) == 1 else np.stack(mats)}
+    if algorithm is not None:
+        out["algorithm"] = {"name": algorithm.name, "config": dataclasses.asdict(algorithm.config)}
+        out["model_signature"] = repr(algorithm.flat.signature())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- listing
+def list_checkpoints(root) -> list[Path]:
+    """Complete checkpoints (``step-*`` directories holding ``checkpoint.h5``) under ``root``, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / INDEX).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The checkpoint ``root/latest`` names (else the newest complete one), or None if there is none."""
+    root = Path(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        name = ""
+    if _STEP_DIR.fullmatch(name) and (root / name / INDEX).is_file():
+        return root / name
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def _check_save_args(step, meta, keep_last) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+    reserved = sorted(set(meta) & set(_RESERVED))
+    if reserved:
+        raise ValueError(f"meta keys {reserved} are reserved: save_checkpoint records {list(_RESERVED)} itself")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+
+
+def _paths(root: Path, step: int) -> tuple[Path, Path]:
+    """(the committed directory, the temporary directory) of a save at ``step``."""
+    return root / _step_name(step), root / f".tmp-{_step_name(step)}"
+
+
+def _prepare(root: Path, final: Path, tmp: Path) -> str:
+    """Rank 0: create ``root``, remove leftovers of crashed saves/prunes, create ``tmp``; return a save id."""
+    root.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists; checkpoints are never overwritten")
+    for stale in root.iterdir():
+        if stale.name.startswith((".tmp-step-", ".trash-step-")):
+            shutil.rmtree(stale)
+    tmp.mkdir()
+    return uuid.uuid4().hex
+
+
+def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
+    with h5py.File(path, "w", libver=LIBVER) as f:
+        write_tree(f.create_group(_rank_group(identity["rank"])), state)
+        for key, value in identity.items():
+            f.attrs[f"mpicomm_{key}"] = value
+        f.flush()
+    _fsync(path)
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: dict, size: int, step: int, save_id: str) -> None:
+    """Rank 0: write and fsync ``checkpoint.h5``, rename ``tmp`` to ``final``, then point ``latest`` at it."""
+    index = tmp / INDEX
+    full = {"world_size": size, "step": step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "versions": _versions(), **meta}
+    with h5py.File(index, "w", libver=LIBVER) as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["save_id"] = save_id
+        write_tree(f.create_group("meta"), full)
+        ranks = f.create_group("ranks")
+        for rank in range(size):
+            ranks[f"{rank:05d}"] = h5py.ExternalLink(_rank_name(rank), _rank_group(rank))
+        f.flush()
+    _fsync(index)
+    _fsync(tmp)
+    os.rename(tmp, final)
+    _fsync(root)
+    pointer = root / (LATEST + ".tmp")
+    with open(pointer, "w") as fh:
+        fh.write(final.name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync(root)
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Rank 0: remove all but the newest ``keep_last`` complete checkpoints, never ``keep`` (renamed away first)."""
+    others = [p for p in list_checkpoints(root) if p != keep]
+    for old in others[: max(0, len(others) - (keep_last - 1))]:
+        trash = root / f".trash-{old.name}"
+        os.rename(old, trash)
+        shutil.rmtree(trash)
+
+
+def save_checkpoint(root, comm, state: dict, *, step: int, meta: dict | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Collective: commit every rank's ``state`` as ``root/step-<step>``; returns that directory on every rank.
+
+    ``meta`` (same on every rank; e.g. :func:`run_meta`) is stored in ``checkpoint.h5`` beside the
+    world size, step, time and library versions. With ``keep_last``, older complete checkpoints beyond
+    the newest ``keep_last`` are removed after the commit (a failure there only warns).
+    """
+    raw = _raw(comm)
+    rank, size = raw.Get_rank(), raw.Get_size()
+    meta, root = ({} if meta is None else meta), Path(root)
+    error, save_id = None, None
+    try:
+        _check_save_args(step, meta, keep_last)
+        if rank == 0:
+            save_id = _prepare(root, *_paths(root, step))
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    save_id = _agree(raw, error, "save_checkpoint", save_id)[0]
+    final, tmp = _paths(root, step)
+
+    error = None
+    try:
+        _write_rank_file(tmp / _rank_name(rank), state,
+                         {"rank": rank, "world_size": size, "step": step, "save_id": save_id})
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    try:
+        _agree(raw, error, f"save_checkpoint(step={step})")
+    except Exception:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raw.allgather(None)  # no rank returns before the temporary directory is gone
+        raise
+
+    error = None
+    if rank == 0:
+        try:
+            _commit(root, tmp, final, meta, size, step, save_id)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None and keep_last is not None:
+            try:
+                _prune(root, keep_last, final)
+            except OSError as exc:
+                warnings.warn(f"checkpoint {final} is committed, but pruning old ones failed: {exc}", stacklevel=2)
+    _agree(raw, error, f"save_checkpoint(step={step}) commit")
+    return final
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _resolve(path: Path) -> Path:
+    """The checkpoint directory meant by a ``checkpoint.h5`` path, a checkpoint directory or a root."""
+    if path.is_file():
+        return path.parent
+    if (path / INDEX).is_file():
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint.h5, a step-* directory holding "
+                              "one, or a root directory holding step-* checkpoints")
+    return found
+
+
+def _open(path: Path, read):
+    """``read(file)`` on the HDF5 file ``path``; unreadable or corrupted content raises CheckpointError naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        with h5py.File(path, "r") as f:
+            return read(f)
+    except (OSError, CheckpointError) as exc:
+        raise CheckpointError(f"{path} is unreadable or corrupted: {exc}") from exc
+
+
+def _read_index(f: h5py.File, size: int) -> tuple[dict, str]:
+    if f.attrs.get("format") != FORMAT:
+        raise CheckpointError(f"not an mpicomm checkpoint index (format {f.attrs.get('format')!r})")
+    meta = read_tree(f["meta"])
+    if meta["world_size"] != size:
+        raise ValueError(f"checkpoint has world size {meta['world_size']}, this job has {size}")
+    if len(f["ranks"]) != size:
+        raise CheckpointError(f"links {len(f['ranks'])} rank files, its world size is {size}")
+    return meta, str(f.attrs["save_id"])
+
+
+def _show(value) -> str:
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        text = np.array2string(np.asarray(value.detach().cpu().double() if torch.is_tensor(value) else value),
+                               threshold=16, separator=", ").replace("\n", "")
+        return f"{type(value).__name__} of shape {tuple(value.shape)} {text}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _mismatch(label: str, have, want) -> str | None:
+    """How ``have`` (stored) differs from ``want`` (expected), or None; dicts are compared on want's keys."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        for key, sub in want.items():
+            name = f"{label}.{key}" if label else str(key)
+            if key not in have:
+                return f"checkpoint has no {name!r} (it has {sorted(map(str, have))})"
+            found = _mismatch(name, have[key], sub)
+            if found:
+                return found
+        return None
+    if isinstance(want, (np.ndarray, torch.Tensor)) or isinstance(have, (np.ndarray, torch.Tensor)):
+        a, b = (np.asarray(v.detach().cpu().double() if torch.is_tensor(v) else v) for v in (have, want))
+        same = a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(want, (list, tuple)) and isinstance(have, (list, tuple)) and len(want) == len(have):
+        return next((m for i, (h, w) in enumerate(zip(have, want)) if (m := _mismatch(f"{label}[{i}]", h, w))), None)
+    else:
+        same = type(have) is type(want) and have == want
+    return None if same else f"checkpoint has {label} {_show(have)}, this job has {_show(want)}"
+
+
+def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str) -> dict:
+    def read(f):
+        found = tuple(str(f.attrs.get(f"mpicomm_{key}")) for key in _IDENTITY)
+        want = tuple(str(v) for v in (rank, size, step, save_id))
+        if found != want:
+            raise CheckpointError(f"belongs to another save: its (rank, world size, step, save id) is {found}, "
+                                  f"expected {want}")
+        return read_tree(f[_rank_group(rank)])
+
+    return _open(path, read)
+
+
+def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[dict, dict]:
+    """Collective: (this rank's state, the checkpoint's meta) from a checkpoint dir, its checkpoint.h5, or a root.
+
+    Every rank raises the same error if the checkpoint is missing, incomplete or corrupted (naming the
+    file), written by another world size, or if any entry of ``expect`` (compared with the stored meta;
+    nested dicts on ``expect``'s keys, arrays and tensors exactly) differs.
+    """
+    raw = _raw(comm)
+    rank, size = raw.Get_rank(), raw.Get_size()
+    error, found = None, None
+    if rank == 0:
+        try:
+            directory = _resolve(Path(path_or_root))
+            found = (directory, *_open(directory / INDEX, lambda f: _read_index(f, size)))
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+    directory, meta, save_id = _agree(raw, error, "load_checkpoint", found)[0]
+
+    error = None
+    try:
+        problem = _mismatch("", meta, {} if expect is None else expect)
+        if problem:
+            raise ValueError(f"{problem} ({directory})")
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    _agree(raw, error, "load_checkpoint")
+
+    error, state = None, None
+    try:
+        state = _read_rank(directory / _rank_name(rank), rank, size, meta["step"], save_id)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    _agree(raw, error, "load_checkpoint")
+    return state, meta
