@@ -13,6 +13,7 @@ import torch
 
 from . import bitpack
 from .base import Codec
+from .hsq import HSQCodec
 from .identity import IdentityCodec
 from .modulo import ModuloCodec, cmod
 from .qsgd import QSGDCodec, TernGradCodec
@@ -23,6 +24,7 @@ from .uniform import UniformCodec
 __all__ = [
     "CODECS",
     "Codec",
+    "HSQCodec",
     "IdentityCodec",
     "ModuloCodec",
     "QSGDCodec",
@@ -46,6 +48,7 @@ CODECS = {
     "terngrad": TernGradCodec,
     "topk": TopKCodec,
     "randomk": RandomKCodec,
+    "hsq": HSQCodec,
 }
 
 
