@@ -1,0 +1,158 @@
+"""AllReduce-SGD: the exact average of all ranks' gradients, then a local SGD step (what DDP/Horovod do).
+
+Update at step t on every rank (g_i the stochastic gradient of rank i at the shared iterate x)::
+
+    g   = (1/n) * allreduce_sum(g_i)               (one allreduce of the flat fp32 gradient)
+    g  <- g + weight_decay * x                     (x is the same everywhere, so decay is not sent)
+    m  <- mu * m + g;  x <- x - alpha * m          (torch.optim.SGD; plain SGD when mu = 0)
+
+Every rank applies the same update to the same x, so the parameters stay identical on all ranks.
+Traffic per step: one allreduce of 4d bytes (booked as 2(n-1)/n * 4d sent per rank).
+
+``overlap=True`` starts the allreduce of gradient *buckets* while backward is still running: the
+flat gradient is cut into contiguous buckets of whole parameters of at least ``bucket_numel``
+elements, in reverse layer order (the order backward produces them); a
+``register_post_accumulate_grad_hook`` on each parameter counts down its bucket and, when a bucket is
+complete, ``iallreduce``-s its slice. Buckets are launched strictly in bucket order (a complete bucket
+waits for the ones before it), so every rank issues the same collectives in the same order even if
+its hooks fire in another order; ``step()`` launches any bucket still incomplete (parameters that got
+no gradient) and waits for all. The sums are the same element-wise sums as the single allreduce,
+so the result is bit-identical whenever MPI adds the n contributions of an element in the same
+order for a slice as for the whole vector: always for n <= 2 (commutativity), and for MPICH, whose
+allreduce adds in recursive-doubling order at every message size (see ``allgather_sum``). overlap
+supports one backward pass per step (no gradient accumulation over several backward calls): a hook
+that runs before accumulation refuses a second gradient with a RuntimeError, leaving the first intact.
+With MPICH's default (no asynchronous progress thread) a pending iallreduce advances inside MPI
+calls: each hook polls the newest one, and ``MPICH_ASYNC_PROGRESS=1`` lets it advance on its own.
+
+This is the full-precision baseline of the centralized family: ``compressed_sgd`` with the identity
+codec reproduces it bit for bit (see ``compressed_sgd``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from .registry import register
+
+__all__ = ["AllReduceSGD", "AllReduceSGDConfig", "GradBuckets"]
+
+
+@dataclass(frozen=True)
+class AllReduceSGDConfig(AlgorithmConfig):
+    """overlap: allreduce gradient buckets during backward. bucket_numel: minimum elements per bucket."""
+
+    overlap: bool = False
+    bucket_numel: int = 1 << 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
+        if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int):
+            raise TypeError(f"bucket_numel must be an int, got {type(self.bucket_numel).__name__}")
+        check_range("bucket_numel", self.bucket_numel, lo=1)
+
+
+class GradBuckets:
+    """Contiguous buckets of the flat gradient, each ``iallreduce``-d once all its parameters have gradients."""
+
+    def __init__(self, algo: Algorithm, bucket_numel: int):
+        self.algo = algo
+        self.ranges: list[list[int]] = []  # [lo, hi) of each bucket, in launch order
+        self.size: list[int] = []  # parameters per bucket
+        self.owner: list[int] = [0] * len(algo.flat.layers)
+        full = True
+        for index in reversed(range(len(algo.flat.layers))):
+            layer = algo.flat.layers[index]
+            if full:
+                self.ranges.append([layer.offset, layer.offset + layer.numel])
+                self.size.append(0)
+            self.ranges[-1][0] = layer.offset
+            self.owner[index] = len(self.ranges) - 1
+            self.size[-1] += 1
+            full = self.ranges[-1][1] - self.ranges[-1][0] >= bucket_numel
+        self.handles: list = []
+        self.waiting = list(self.size)
+        self.ready = [False] * len(algo.flat.params)
+        self.first_launch: dict | None = None  # ledger totals before the first launch of this step
+        for index, param in enumerate(algo.flat.params):
+            param.register_hook(functools.partial(self._check_first, index))
+            param.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+
+    def _check_first(self, index: int, grad: torch.Tensor) -> None:
+        """Hook before accumulation: refuse a second gradient for a parameter whose bucket may be in flight."""
+        if self.ready[index]:
+            raise RuntimeError("allreduce_sgd(overlap=True) takes one backward pass per step (this one was "
+                               "refused, the previous gradients are kept); accumulate gradients with overlap=False")
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        """Hook: parameter ``index`` has its gradient; launch every bucket that is now complete, in order."""
+        layer = self.algo.flat.layers[index]
+        view = self.algo.flat.grad[layer.offset:layer.offset + layer.numel]
+        if param.grad.data_ptr() != view.data_ptr():  # autograd replaced the view (grad was None)
+            view.copy_(param.grad.reshape(-1))
+            param.grad = view.view(layer.shape)
+        self.ready[index] = True
+        self.waiting[self.owner[index]] -= 1
+        if self.handles:
+            self.handles[-1].test()  # let MPI progress the newest pending allreduce
+        self._launch(only_complete=True)
+
+    def _launch(self, only_complete: bool) -> None:
+        """Launch the next buckets in order: all of them, or while the next one is complete."""
+        while len(self.handles) < len(self.ranges) and not (only_complete and self.waiting[len(self.handles)]):
+            if not self.handles:
+                self.first_launch = self.algo.comm.ledger.totals()
+            lo, hi = self.ranges[len(self.handles)]
+            self.handles.append(self.algo.comm.iallreduce(self.algo.flat.grad[lo:hi]))
+
+    def finish(self) -> dict | None:
+        """Launch the remaining buckets, wait for all, reset for the next step; return ``first_launch``."""
+        self._launch(only_complete=False)
+        for handle in self.handles:
+            handle.wait()
+        first, self.first_launch = self.first_launch, None
+        self.handles, self.waiting, self.ready = [], list(self.size), [False] * len(self.ready)
+        return first
+
+
+@register
+class AllReduceSGD(Algorithm):
+    """Exact gradient averaging by allreduce, then local (momentum) SGD; parameters identical on all ranks."""
+
+    name = "allreduce_sgd"
+    config_class = AllReduceSGDConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.optimizer = self._local_sgd()
+        self.buckets = GradBuckets(self, self.config.bucket_numel) if self.config.overlap else None
+        self._first_launch: dict | None = None
+
+    def step(self) -> None:
+        """As :meth:`Algorithm.step`; with overlap, the step's traffic also counts buckets sent during backward."""
+        super().step()
+        if self._first_launch is not None:
+            now = self.comm.ledger.totals()
+            self._last_step = {k: now[k] - self._first_launch[k] for k in now}
+
+    def _step(self, grad: torch.Tensor) -> None:
+        if self.buckets is None:
+            self._first_launch = None
+            self.comm.allreduce(grad)
+        else:
+            self._first_launch = self.buckets.finish()
+        grad.div_(self.comm.size)
+        self._decayed(grad)
+        self._sgd_step(self.optimizer, self.lr)
+
+    def _extra_state(self):
+        return {"optimizer": clone_optimizer_state(self.optimizer)}
+
+    def _load_extra_state(self, extra):
+        self.optimizer.load_state_dict(extra["optimizer"])

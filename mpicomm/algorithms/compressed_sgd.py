@@ -1,0 +1,227 @@
+"""Centralized SGD with compressed gradients exchanged by allgather: QSGD, TernGrad, SignSGD, EF-SignSGD.
+
+Every algorithm here runs the same step on rank i (x the shared iterate, g_i the local stochastic
+gradient, C a codec seeded with ``seed + rank``, n ranks)::
+
+    payload_i = encode(g_i)                              (packed bytes, d-independent header inside)
+    all ranks: payloads = allgather(payload_i)           (each rank sends (n-1) * payload_bytes(d))
+    S         = sum_r decode(payload_r)                  (recursive-doubling order, see allgather_sum)
+    u         = aggregate(S)                             (mean S/n, or the majority vote sign(S))
+    u        <- u + weight_decay * x                     (x is identical everywhere: decay is not sent)
+    m <- mu m + u;  x <- x - alpha * m                   (torch.optim.SGD; plain SGD when mu = 0)
+
+and with error feedback (EF-SGD, Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and
+other Gradient Compression Schemes", ICML 2019) the compressed quantity is the step itself::
+
+    p_i = alpha * g_i + e_i;   Delta_i = C(p_i);   e_i <- p_i - Delta_i      (e_i starts at 0)
+    u   = (1/n) sum_r Delta_r + alpha * weight_decay * x;   m <- mu m + u;  x <- x - m
+
+Registered algorithms:
+
+* ``compressed_sgd``: any codec of ``mpicomm.codecs.CODECS`` by name, mean aggregation, optional
+  error feedback. With the lossless ``identity`` codec it is AllReduce-SGD bit for bit: the sum is
+  formed in the order MPICH's allreduce adds (any MPI for n <= 2), then divided by n as
+  ``allreduce_sgd`` does, and weight decay and the SGD step are the same code.
+* ``qsgd``: QSGDCodec(bits, bucket_size), unbiased (Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD:
+  Communication-Efficient SGD via Gradient Quantization and Encoding", NeurIPS 2017).
+* ``terngrad``: TernGradCodec, unbiased, one max-norm scale (Wen, Xu, Yan, Wu, Wang, Chen, Li,
+  "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning", NeurIPS 2017).
+* ``signsgd``: SignCodec(scale="none") and majority vote u = sign(sum_r sign(g_r)) (Bernstein, Zhao,
+  Azizzadenesheli, Anandkumar, "signSGD with Majority Vote is Communication Efficient and Fault
+  Tolerant", ICLR 2019). Encoding maps 0 to +1 (the codec's rule); a tied vote (possible only for
+  even n) gives 0, so a coordinate the ranks disagree on evenly does not move. With mu = 0 the step
+  is x <- x - alpha * (vote + weight_decay * x).
+* ``ef_signsgd``: SignCodec(scale="l1"), C(p) = (||p||_1 / d) sign(p), with error feedback.
+
+Memory beyond the model: the codec's scratch, O(log n) decode buffers, torch's momentum buffer, and
+for error feedback the error vector e (d floats). State (momentum, e, codec RNG) is in state_dict().
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
+from .allgather_sum import PayloadSum
+from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from .registry import register
+
+__all__ = [
+    "CompressedSGD",
+    "CompressedSGDConfig",
+    "EFSignSGD",
+    "QSGD",
+    "QSGDConfig",
+    "SignSGD",
+    "TernGrad",
+    "build_codec",
+]
+
+
+def build_codec(name: str, options: dict, seed: int) -> Codec:
+    """Codec ``name`` with keyword ``options``, given ``seed`` if it takes one (ValueError if it does not fit)."""
+    if name not in CODECS:
+        raise ValueError(f"codec must be one of {sorted(CODECS)}, got {name!r}")
+    if not isinstance(options, dict):
+        raise TypeError(f"codec_options must be a dict of keyword arguments, got {type(options).__name__}")
+    if "seed" in options:
+        raise ValueError("codec_options must not contain 'seed': the codec is seeded with config.seed + rank")
+    kwargs = dict(options)
+    if "seed" in inspect.signature(CODECS[name]).parameters:
+        kwargs["seed"] = seed
+    try:
+        return CODECS[name](**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"codec_options {options!r} do not fit codec {name!r}: {exc}") from exc
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    check_range(name, value, lo=lo, hi=hi)
+
+
+@dataclass(frozen=True)
+class CompressedSGDConfig(AlgorithmConfig):
+    """codec: a name in ``mpicomm.codecs.CODECS``; codec_options: its keyword arguments (not seed);
+    error_feedback: compress alpha*g + e and keep e (EF-SGD)."""
+
+    codec: str = "identity"
+    codec_options: dict = field(default_factory=dict)
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {self.error_feedback!r}")
+        build_codec(self.codec, self.codec_options, self.seed)
+
+
+@dataclass(frozen=True)
+class QSGDConfig(AlgorithmConfig):
+    """bits: 1 sign + bits-1 magnitude bits per element, in [2, 8]; bucket_size: elements per max-norm scale."""
+
+    bits: int = 4
+    bucket_size: int = 512
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_int("bits", self.bits, 2, 8)
+        _check_int("bucket_size", self.bucket_size, 1)
+
+
+@register
+class CompressedSGD(Algorithm):
+    """Allgather of codec payloads, decode and average (or vote) on every rank, then local SGD."""
+
+    name = "compressed_sgd"
+    config_class = CompressedSGDConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.codec = self._make_codec(self.config.seed + self.comm.rank)
+        self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
+        self.error = torch.zeros_like(self.flat.data) if self._error_feedback() else None
+        self.optimizer = self._local_sgd()
+
+    def _make_codec(self, seed: int) -> Codec:
+        """The codec this rank encodes with (seeded with ``seed``)."""
+        return build_codec(self.config.codec, self.config.codec_options, seed)
+
+    def _error_feedback(self) -> bool:
+        """Whether to compress alpha*g + e and keep the error e."""
+        return self.config.error_feedback
+
+    def _aggregate(self, total: torch.Tensor) -> torch.Tensor:
+        """Turn the sum of the n decoded payloads into the update direction, in place (here: the mean)."""
+        return total.div_(self.comm.size)
+
+    def _step(self, grad: torch.Tensor) -> None:
+        if self.error is None:
+            payload = self.codec.encode(grad)
+            self._aggregate(self.payload_sum(payload, out=grad))
+            self._decayed(grad)
+            self._sgd_step(self.optimizer, self.lr)
+            return
+        p = grad.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient buffer
+        payload = self.codec.encode(p)
+        self.codec.decode(payload, self.flat.numel, out=self.error)  # Delta = C(p), what every rank decodes
+        torch.sub(p, self.error, out=self.error)  # e <- p - Delta
+        self._aggregate(self.payload_sum(payload, out=grad))
+        if self.config.weight_decay:
+            grad.add_(self.flat.data, alpha=self.lr * self.config.weight_decay)
+        self._sgd_step(self.optimizer, 1.0)
+
+    def _extra_state(self):
+        state = {"optimizer": clone_optimizer_state(self.optimizer), "codec": self.codec.state_dict()}
+        if self.error is not None:
+            state["error"] = self.error.clone()
+        return state
+
+    def _load_extra_state(self, extra):
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.codec.load_state_dict(extra["codec"])
+        if self.error is not None:
+            self.error.copy_(extra["error"])
+
+
+@register
+class QSGD(CompressedSGD):
+    """QSGD: unbiased ``bits``-bit stochastic quantization with a max-norm scale per bucket."""
+
+    name = "qsgd"
+    config_class = QSGDConfig
+
+    def _make_codec(self, seed):
+        return QSGDCodec(self.config.bits, self.config.bucket_size, seed=seed)
+
+    def _error_feedback(self):
+        return False
+
+
+@register
+class TernGrad(CompressedSGD):
+    """TernGrad: gradients in max|g| * {-1, 0, +1}, stochastic and unbiased."""
+
+    name = "terngrad"
+    config_class = AlgorithmConfig
+
+    def _make_codec(self, seed):
+        return TernGradCodec(seed=seed)
+
+    def _error_feedback(self):
+        return False
+
+
+@register
+class SignSGD(CompressedSGD):
+    """SignSGD with majority vote: step along sign(sum_r sign(g_r)) (ties give 0)."""
+
+    name = "signsgd"
+    config_class = AlgorithmConfig
+
+    def _make_codec(self, seed):
+        return SignCodec(scale="none")
+
+    def _error_feedback(self):
+        return False
+
+    def _aggregate(self, total):
+        return total.sign_()
+
+
+@register
+class EFSignSGD(CompressedSGD):
+    """EF-SignSGD: error-compensated scaled sign (||p||_1/d) sign(p) of p = alpha*g + e, averaged."""
+
+    name = "ef_signsgd"
+    config_class = AlgorithmConfig
+
+    def _make_codec(self, seed):
+        return SignCodec(scale="l1")
+
+    def _error_feedback(self):
+        return True
