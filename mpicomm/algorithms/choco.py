@@ -1,0 +1,90 @@
+"""CHOCO-SGD: decentralized SGD with compressed gossip on public copies.
+
+Koloskova, Stich, Jaggi. "Decentralized Stochastic Optimization and Gossip Algorithms with Compressed
+Communication." ICML 2019.
+
+Step t on rank i (W the mixing matrix of ``comm.topology(t)``, C the codec, gamma the consensus step)::
+
+    x_i <- x_i - alpha g_i                                  (torch SGD step; momentum if configured)
+    q_i = C(x_i - x̂_i);   send q_i;   x̂_j <- x̂_j + q_j   for j in N(i), own copy included
+    x_i <- x_i + gamma * sum_j W_ij (x̂_j - x̂_i)
+
+This is order="atc", the paper's form; order="cta" runs the gossip lines first and the SGD step
+(with the gradient taken at the pre-gossip iterate) after them, which is D-PSGD's order. The public
+copies start at the common initial model (``broadcast_init=True``; every rank holds the same one, so
+the copies agree) or at zero (the paper's choice, used when ``broadcast_init=False``). Copies are kept
+per distinct topology of a time-varying schedule; see :mod:`.replicas` for what is stored.
+
+Traffic: ``codec.payload_bytes(d)`` to each out-neighbour per step.
+
+Exact reduction: with the lossless ``identity`` codec the copies would always equal the models, so
+the model itself is sent and ``x_i <- W_ii x_i + sum_j W_ij x_j`` is applied with the same
+``gossip_average`` as D-PSGD when gamma = 1. Hence CHOCO(identity, gamma=1, order="cta") is the
+registered ``dpsgd`` and CHOCO(identity, gamma=1) is PD-SGDM(period=1), bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import check_range
+from .dpsgd import gossip_average
+from .periodic import OrderConfig, PeriodicGossip
+from .registry import register
+from .replicas import CodecConfig, ReplicaGossip, make_rank_codec
+
+__all__ = ["CHOCO", "ChocoConfig", "choco_consensus"]
+
+
+@dataclass(frozen=True)
+class ChocoConfig(CodecConfig, OrderConfig):
+    """CHOCO options: codec/codec_options (see :mod:`.replicas`), gamma in (0, 1], order ("atc"/"cta")."""
+
+    gamma: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
+
+
+def choco_consensus(x: torch.Tensor, gossip: ReplicaGossip, step: int, gamma: float) -> None:
+    """One CHOCO gossip round over ``comm.topology(step)``, updating ``x`` in place (see the module docstring)."""
+    comm = gossip.comm
+    topo = comm.topology(step)
+    self_weight, weights = topo.self_weight(comm.rank), topo.neighbor_weights(comm.rank)
+    if gossip.lossless:
+        rows, own = gossip.models(x, step), x
+        if gamma == 1.0:
+            gossip_average(x, rows, self_weight, weights)
+            return
+    else:
+        gossip.advance(x, step)
+        copies = gossip.copies_at(step)
+        rows, own = copies[1:], copies[0]
+    mixed = gossip_average(gossip.scratch.copy_(own), rows, self_weight, weights).sub_(own)
+    x.add_(mixed, alpha=gamma)
+
+
+@register
+class CHOCO(PeriodicGossip):
+    """CHOCO-SGD: a local SGD step, then a compressed gossip step on public copies, every step."""
+
+    name = "choco"
+    config_class = ChocoConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        codec = make_rank_codec(self.config, comm.rank)
+        self.gossip = ReplicaGossip(comm, codec, self.flat.data, "model" if self.config.broadcast_init else "zeros")
+
+    def _gossip(self, round_index: int) -> None:
+        choco_consensus(self.flat.data, self.gossip, round_index, self.config.gamma)
+
+    def _extra_state(self):
+        return {**super()._extra_state(), "gossip": self.gossip.state_dict()}
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        self.gossip.load_state_dict(extra["gossip"])

@@ -1,0 +1,169 @@
+"""Compressed neighbour exchange with public copies ("replicas"), shared by CHOCO, CPD-SGDM and DCD.
+
+A compressed decentralized method never sends its model. Rank i keeps a *public copy* x̂_i of its own
+model and a copy x̂_j of each in-neighbour's, sends ``q_i = C(target - x̂_i)`` and every holder of a
+copy of i adds the decoded ``q_i`` to it::
+
+    q_i = C(target_i - x̂_i);   x̂_j <- x̂_j + q_j   for j in N(i) (own copy included)
+
+The sender adds the decoded bytes it sent, so every rank's copy of x̂_j is bit-identical to j's own.
+
+**Time-varying topologies.** A copy stays exact only if its holder receives every message that
+advances it. With a schedule whose graphs differ, a neighbour of one step is not a neighbour of the
+next, so copies are kept *per distinct topology* T of the schedule: x̂_i^T is what T's out-neighbours
+know of rank i, advanced only at exchanges over T. Every copy then stays consistent and the
+consensus terms sum to zero (W doubly stochastic), so the average is preserved. A static topology
+has one T and this is the usual scheme.
+
+**Memory.** For each distinct topology T: one ``(1 + in_degree_T, d)`` float32 tensor; row 0 is the
+own copy x̂_i^T, row k+1 the copy of ``in_neighbors_T[k]``. Plus one d-element scratch vector.
+(CHOCO can be run with only x̂_i and s_i = sum_j W_ij x̂_j for a static W; that trick is not used
+here, because it cannot reproduce D-PSGD bit for bit.)
+
+**Lossless codecs** (``identity``): x̂ <- x̂ + (target - x̂) equals target in exact arithmetic, so no
+copies are kept; :meth:`ReplicaGossip.models` sends the encoded model itself (the same
+``payload_bytes(d)`` per out-neighbour) and returns the decoded in-neighbour models, which lets the
+algorithms reduce to their full-precision baselines to the last bit.
+
+**Codec options.** ``codec`` names any codec of :func:`mpicomm.codecs.make_codec`;
+``codec_options`` is a mapping of its keyword arguments (``{"bits": 4}`` for qsgd/uniform,
+``{"ratio": 0.01}`` for topk/randomk, ``{"scale": "l1"}`` for sign). ``seed`` is not an option: a
+stochastic codec on rank r is seeded with ``config.seed + r`` (different per rank, reproducible).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..codecs import CODECS, Codec, make_codec
+from .base import AlgorithmConfig
+
+__all__ = ["CodecConfig", "ReplicaGossip", "check_codec", "make_rank_codec"]
+
+INITS = ("model", "zeros", "exchange")
+
+
+def _takes_seed(name: str) -> bool:
+    return "seed" in inspect.signature(CODECS[name]).parameters
+
+
+def check_codec(name: Any, options: Any, seed: int = 0) -> dict:
+    """Return ``options`` as a dict after checking that ``make_codec(name, **options)`` builds; else ValueError."""
+    if not isinstance(name, str) or name not in CODECS:
+        raise ValueError(f"codec must be one of {sorted(CODECS)}, got {name!r}")
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"codec_options must be a mapping of keyword arguments of codec {name!r}, got {options!r}")
+    options = dict(options)
+    if "seed" in options:
+        raise ValueError("codec_options must not contain 'seed': a rank's codec is seeded with seed + rank")
+    try:
+        make_codec(name, **options, **({"seed": seed} if _takes_seed(name) else {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"codec_options {options!r} do not fit codec {name!r}: {exc}") from None
+    return options
+
+
+@dataclass(frozen=True)
+class CodecConfig(AlgorithmConfig):
+    """Options of every compressed decentralized algorithm.
+
+    codec: a name from ``mpicomm.codecs.CODECS``. codec_options: its keyword arguments (no ``seed``).
+    """
+
+    codec: str = "sign"
+    codec_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        object.__setattr__(self, "codec_options", check_codec(self.codec, self.codec_options, self.seed))
+
+
+def make_rank_codec(config: CodecConfig, rank: int) -> Codec:
+    """The codec of ``config`` for ``rank`` (stochastic codecs seeded with ``config.seed + rank``)."""
+    seed = {"seed": config.seed + rank} if _takes_seed(config.codec) else {}
+    return make_codec(config.codec, **config.codec_options, **seed)
+
+
+class ReplicaGossip:
+    """A rank's codec, its public copies per distinct topology of the schedule, and scratch space.
+
+    ``init`` says how the copies start: ``"model"`` (all equal to this rank's model, valid when every
+    rank starts from the same model), ``"zeros"`` (the CHOCO paper's x̂ = 0) or ``"exchange"`` (own
+    copy = model, neighbour copies = their models, one full-precision exchange per distinct topology).
+    """
+
+    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        self.comm, self.codec, self.numel = comm, codec, x.numel()
+        self.scratch = torch.empty_like(x)
+        self._models: dict[int, torch.Tensor] = {}
+        self.slots: list = []  # distinct topologies, in order of first use in the schedule
+        first_step: list[int] = []
+        for step in range(comm.schedule.period):
+            topo = comm.topology(step)
+            if topo not in self.slots:
+                self.slots.append(topo)
+                first_step.append(step)
+        self.copies: list[torch.Tensor] = []
+        if codec.lossless:
+            return
+        for topo, step in zip(self.slots, first_step):
+            rows = torch.empty((1 + len(topo.in_neighbors(comm.rank)), self.numel), dtype=x.dtype, device=x.device)
+            if init == "zeros":
+                rows.zero_()
+            else:
+                rows.copy_(x.detach().expand_as(rows))
+                if init == "exchange":
+                    rows[1:].copy_(comm.neighbor_allgather(x.detach(), step=step))
+            self.copies.append(rows)
+
+    @property
+    def lossless(self) -> bool:
+        """True when the codec is lossless and no copies are kept."""
+        return self.codec.lossless
+
+    def copies_at(self, step: int) -> torch.Tensor:
+        """The ``(1 + in_degree, d)`` copies for the topology in force at ``step`` (row 0: own)."""
+        return self.copies[self.slots.index(self.comm.topology(step))]
+
+    def advance(self, target: torch.Tensor, step: int) -> None:
+        """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add the decoded q to every copy."""
+        rows = self.copies_at(step)
+        payload = self.codec.encode(torch.sub(target, rows[0], out=self.scratch))
+        rows[0].add_(self.codec.decode(payload, self.numel, out=self.scratch))
+        received = self.comm.neighbor_allgather(payload, step=step)
+        for row, message in zip(rows[1:], received):
+            row.add_(self.codec.decode(message, self.numel, out=self.scratch))
+
+    def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
+        received = self.comm.neighbor_allgather(self.codec.encode(x), step=step)
+        out = self._models.get(len(received))
+        if out is None:
+            out = self._models[len(received)] = torch.empty((len(received), self.numel), dtype=x.dtype,
+                                                            device=x.device)
+        for row, message in zip(out, received):
+            self.codec.decode(message, self.numel, out=row)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Codec generator state and a copy of every replica tensor (in slot order)."""
+        return {"codec": self.codec.state_dict(), "copies": [c.clone() for c in self.copies]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        copies = state["copies"]
+        shapes = [tuple(c.shape) for c in self.copies]
+        if [tuple(c.shape) for c in copies] != shapes:
+            raise ValueError(f"replica state has shapes {[tuple(c.shape) for c in copies]}, expected {shapes}")
+        for mine, saved in zip(self.copies, copies):
+            mine.copy_(saved)
+        self.codec.load_state_dict(state["codec"])
