@@ -1,0 +1,146 @@
+"""D² (decentralized training over decentralized data) and Moniqua-D² (its modulo-quantized gossip).
+
+Tang, Lian, Yan, Zhang, Liu. "D²: Decentralized Training over Decentralized Data." ICML 2018.
+Lu, De Sa. "Moniqua: Modulo Quantized Communication in Decentralized SGD." ICML 2020 (Moniqua-D²).
+
+Step k on rank i (g_k the stochastic gradient at x_k plus weight_decay * x_k, alpha_k the step size
+of step k, W the mixing matrix of ``comm.topology(k)``)::
+
+    x_{1/2}     = x_0 - alpha_0 g_0                                                   (first step)
+    x_{k+1/2}   = 2 x_k - x_{k-1} - alpha_k g_k + alpha_{k-1} g_{k-1}                 (later steps)
+    d2:          x_{k+1} = sum_j W_ij x_{j,k+1/2}                       (D-PSGD's ``gossip_average``)
+    moniqua_d2:  x_{k+1} = x_{k+1/2} + gamma sum_j W_ij (x̂_{j,k+1/2} - x̂_{i,k+1/2})  (Moniqua's recovery)
+
+With a constant step size the middle line is the paper's ``2 x_k - x_{k-1} - alpha (g_k - g_{k-1})``;
+keeping alpha_{k-1} makes learning-rate schedules exact. Extra memory: x_{k-1} and g_{k-1} (D² needs
+both; Moniqua adds only payload-sized buffers, see :mod:`.moniqua`). D² has no momentum (a momentum
+other than 0 is a configuration error). Moniqua-D²'s adaptive theta uses the same statistic as Moniqua,
+alpha ||g_k||_inf. With ``bits=32`` and gamma = 1 Moniqua-D² runs the very same code as ``d2`` and
+equals it bit for bit.
+
+Guard (see :mod:`.moniqua`): without wraps Moniqua's mixing preserves the average exactly (W doubly
+stochastic, every rank recovers the same grid point), which D² relies on: its recursion keeps
+x̄_{k+1} - x̄_k = -alpha ḡ_k. A wrap moves the average, and D² would carry that step into every later
+step (a constant drift, i.e. a gradient bias; measured: 4 bits, two wraps, loss gap 0.58 instead of
+3e-9). So after the guard's resync round Moniqua-D² also restarts its recursion: the next step is a
+first step again (x_{k+1/2} = x_k - alpha g_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs._layout import chunk_elems, chunk_ranges
+from .base import Algorithm, AlgorithmConfig
+from .dpsgd import gossip_average
+from .moniqua import ModuloGossip, MoniquaConfig, local_step_inf
+from .registry import register
+
+__all__ = ["D2", "D2Config", "MoniquaD2", "MoniquaD2Config"]
+
+
+def _no_momentum(config: AlgorithmConfig) -> None:
+    if config.momentum != 0.0:
+        raise ValueError(f"momentum must be 0 for D² (its update has no momentum term), got {config.momentum!r}")
+
+
+@dataclass(frozen=True)
+class D2Config(AlgorithmConfig):
+    """D² options: those of every algorithm; momentum must stay 0."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _no_momentum(self)
+
+
+@dataclass(frozen=True)
+class MoniquaD2Config(MoniquaConfig):
+    """Moniqua-D² options: Moniqua's (bits, rounding, gamma, theta, ...); momentum must stay 0."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _no_momentum(self)
+
+
+@register
+class D2(Algorithm):
+    """D²: an extrapolated local step that cancels the data-heterogeneity drift, then full-precision gossip."""
+
+    name = "d2"
+    config_class = D2Config
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        x = self.flat.data
+        self.x_prev = torch.zeros_like(x)
+        self.g_prev = torch.zeros_like(x)
+        self.lr_prev = 0.0
+        self.started = False
+        self._chunk = chunk_elems(x.device)
+
+    def _step(self, grad: torch.Tensor) -> None:
+        self._decayed(grad)
+        x = self.flat.data
+        if self.started:  # x_prev <- x_{k+1/2}, then swap, so that x = x_{k+1/2} and x_prev = x_k
+            self.x_prev.neg_().add_(x, alpha=2.0).sub_(grad, alpha=self.lr).add_(self.g_prev, alpha=self.lr_prev)
+            self._swap(x, self.x_prev)
+        else:
+            self.x_prev.copy_(x)
+            x.sub_(grad, alpha=self.lr)
+            self.started = True
+        self.g_prev.copy_(grad)
+        self.lr_prev = self.lr
+        self._mix(x, grad)
+
+    def _mix(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """x_{k+1} = sum_j W_ij x_{j,k+1/2}, exactly as D-PSGD mixes."""
+        topo = self.comm.topology(self.step_count)
+        rows = self.comm.neighbor_allgather(x, step=self.step_count)
+        gossip_average(x, rows, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))
+
+    def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Exchange the contents of ``a`` and ``b`` through one chunk-sized temporary."""
+        tmp = torch.empty(min(self._chunk, a.numel()), dtype=a.dtype, device=a.device)
+        for start, stop in chunk_ranges(a.numel(), self._chunk):
+            t = tmp[:stop - start].copy_(a[start:stop])
+            a[start:stop].copy_(b[start:stop])
+            b[start:stop].copy_(t)
+
+    def _extra_state(self):
+        return {"x_prev": self.x_prev.clone(), "g_prev": self.g_prev.clone(), "lr_prev": self.lr_prev,
+                "started": self.started}
+
+    def _load_extra_state(self, extra):
+        self.x_prev.copy_(extra["x_prev"])
+        self.g_prev.copy_(extra["g_prev"])
+        self.lr_prev, self.started = float(extra["lr_prev"]), bool(extra["started"])
+
+
+@register
+class MoniquaD2(D2):
+    """Moniqua-D²: D²'s extrapolated step, then Moniqua's modulo-quantized mixing of x_{k+1/2}."""
+
+    name = "moniqua_d2"
+    config_class = MoniquaD2Config
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.gossip = ModuloGossip(comm, self.config, self.flat.numel, self.flat.data.device)
+
+    def _mix(self, x, grad):
+        size = 0.0 if self.gossip.identity else local_step_inf(grad, self.lr)
+        if self.gossip.mix(x, self.step_count, size):
+            self.started = False  # a wrap moved the average; D² would integrate that for ever: restart it
+
+    def stats(self):
+        """Base stats plus theta, B, gamma and the guard's counters."""
+        return {**super().stats(), **self.gossip.stats()}
+
+    def _extra_state(self):
+        return {**super()._extra_state(), "gossip": self.gossip.state_dict()}
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        self.gossip.load_state_dict(extra["gossip"])

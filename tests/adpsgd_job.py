@@ -1,0 +1,99 @@
+"""The asynchronous job behind tests/test_adpsgd.py: AD-PSGD variants against a wall clock, one rank slowed.
+
+usage: mpiexec -n 4 python -m mpi4py tests/adpsgd_job.py OUT.json [SECONDS] [SLEEP]
+
+For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem`` until
+``SECONDS`` of wall time have passed (the last rank sleeps ``SLEEP`` seconds after every step), then all
+ranks meet and measure: steps per rank, F(x̄) - F* relative to F(x_0) - F*, the consensus distance and
+the bytes read. Then each rank checks its own state round trip (state_dict -> fresh algorithm ->
+load_state_dict: same parameters, same state, same next peers). Rank 0 writes everything to OUT.json.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpicomm import topology  # noqa: E402
+from mpicomm.algorithms import make_algorithm  # noqa: E402
+from mpicomm.comm import Communicator  # noqa: E402
+from tests import lsq_problem as lsq  # noqa: E402
+
+CONFIGS = [  # name, options, share of SECONDS
+    ("adpsgd", {}, 1.0),
+    ("moniqua_adpsgd", {"bits": 8}, 1.0),
+    ("moniqua_adpsgd", {"bits": 1}, 1.0),
+    ("moniqua_adpsgd", {"bits": 2, "theta": 1e-5, "theta_cap": 4.0}, 0.3),  # the guard: every average wraps
+]
+
+
+def same_state(a, b) -> bool:
+    """Deep equality of two state dicts (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
+def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
+    """Train against the clock; measure; check the state round trip on this rank."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    ring = topology.ring(n)
+    algo = make_algorithm(name, lsq.make_model(), Communicator(comm, ring), lr=0.1, **options)
+    comm.Barrier()
+    start, steps = time.monotonic(), 0
+    while time.monotonic() - start < seconds:
+        lsq.train(algo, 1)
+        steps += 1
+        if rank == n - 1:
+            time.sleep(sleep)
+    stats = algo.stats()
+    comm.Barrier()
+    f0, fstar = lsq.objective(torch.zeros(lsq.D), n), lsq.objective(lsq.optimum(n), n)
+    gap = (lsq.objective(algo.consensus_model(), n) - fstar) / (f0 - fstar)
+    spread = algo.consensus_distance()
+    state = algo.state_dict()
+    fresh = make_algorithm(name, lsq.make_model(), Communicator(comm, ring), lr=0.1, **options)
+    fresh.load_state_dict(state)
+    round_trip = same_state(fresh.state_dict(), state) and [algo.next_peer() for _ in range(8)] == [
+        fresh.next_peer() for _ in range(8)
+    ]
+    fresh.close()
+    algo.close()
+    return {
+        "name": name,
+        "options": options,
+        "steps": comm.allgather(steps),
+        "gap": gap,
+        "consensus_distance": spread,
+        "bytes_read": comm.allgather(stats["total_bytes_contributed"]),
+        "message_bytes": algo.message_bytes,
+        "skipped": comm.allgather(stats.get("skipped", 0)),
+        "round_trip": comm.allgather(bool(round_trip)),
+        "transport": algo.mailbox.transport,
+        "params_finite": comm.allgather(bool(torch.isfinite(algo.flat.data).all())),
+    }
+
+
+def main() -> None:
+    """Run every configuration and write the results (rank 0)."""
+    comm = MPI.COMM_WORLD
+    out = sys.argv[1]
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
+    sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.02
+    results = [run(comm, name, options, share * seconds, sleep) for name, options, share in CONFIGS]
+    if comm.Get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"size": comm.Get_size(), "seconds": seconds, "sleep": sleep, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
