@@ -88,10 +88,10 @@ def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int
             steps += 1
     mpi_comm.Barrier()
     wall = time.perf_counter() - t0
+    totals = comm.ledger.totals()  # training traffic only: read before the evaluation's allreduces
     average = algo.consensus_model()
     loss, acc = _evaluate(model, average, algo, data)
     spread = algo.consensus_distance()
-    totals = comm.ledger.totals()
     sent = mpi_comm.allreduce(totals["bytes_sent"]) / n
     contributed = mpi_comm.allreduce(totals["bytes_contributed"]) / n
     return {
@@ -99,6 +99,7 @@ def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int
         "epochs": epochs, "steps": steps, "test_loss": loss, "test_accuracy": acc,
         "consensus_distance": spread, "bytes_sent_per_rank": sent,
         "bits_per_parameter_per_step": 8 * contributed / max(steps, 1) / algo.flat.numel,
+        "bits_per_parameter_sent_per_step": 8 * sent / max(steps, 1) / algo.flat.numel,
         "wall_seconds": wall, "parameters": algo.flat.numel,
     }
 

@@ -8,10 +8,8 @@ final test loss/accuracy, bytes sent per rank, their ratio to D-PSGD's, bits per
 wall time. Rows: D-PSGD (the baseline), Moniqua 1/2/8-bit (when ``moniqua`` is registered), CHOCO-SGD
 and DCD-PSGD with the same two codecs (1-bit sign+scale; 4-bit QSGD), PD-SGDM and CPD-SGDM (p = 4).
 
-Bytes: the Ledger's bytes *sent* (what leaves a rank). ``run_case`` reads the Ledger after its final
-``consensus_model()``/``consensus_distance()`` allreduces, which are not training traffic; they are the
-same calls in every row, so they are calibrated on D-PSGD, whose training step sends exactly
-out_degree x 4d bytes and contributes 4d (tests/test_dpsgd_mpi.py), and removed from every row.
+Bytes: the Ledger's bytes *sent* (what leaves a rank), read by ``run_case`` before its final
+evaluation, so they are training traffic only.
 
 Target (issue): Moniqua 1-bit within 1 accuracy point of D-PSGD with >= 25x fewer bytes sent.
 Writes bench/results/decentralized.json.
@@ -29,7 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from bench.common import report, run_case  # noqa: E402
-from mpicomm import topology  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decentralized.json")
@@ -62,23 +59,6 @@ def _run(comm, epochs: int, notes: list[str]) -> list[dict]:
     return rows
 
 
-def _remove_evaluation_traffic(rows: list[dict], n: int) -> dict:
-    """Subtract run_case's evaluation allreduces (calibrated on D-PSGD) from every row's bytes."""
-    base = next(r for r in rows if r["label"] == BASELINE)
-    d, steps = base["parameters"], base["steps"]
-    ring = topology.build(TOPOLOGY, n)
-    out_degree = sum(len(ring.out_neighbors(r)) for r in range(n)) / n
-    extra = {
-        "sent": base["bytes_sent_per_rank"] - steps * out_degree * 4 * d,
-        "contributed": base["bits_per_parameter_per_step"] * steps * d / 8 - steps * 4 * d,
-    }
-    for r in rows:
-        contributed = r["bits_per_parameter_per_step"] * r["steps"] * d / 8 - extra["contributed"]
-        r["bytes_sent_per_rank"] -= extra["sent"]
-        r["bits_per_parameter_per_step"] = 8 * contributed / r["steps"] / d
-    return {f"evaluation_bytes_{k}_per_rank": v for k, v in extra.items()}
-
-
 def _target(rows: list[dict]) -> list[str]:
     base = next(r for r in rows if r["label"] == BASELINE)
     moniqua = next((r for r in rows if r["label"] == "Moniqua 1-bit"), None)
@@ -105,17 +85,14 @@ def main() -> None:
     if comm.Get_rank() != 0:
         return
     n = comm.Get_size()
-    removed = _remove_evaluation_traffic(rows, n)
     title = f"Decentralized, {TOPOLOGY} of {n} ranks, {epochs} epochs, batch {BATCH}, SGD momentum 0.9"
     report(rows, BASELINE, JSON, title)
     targets = _target(rows)
-    print(f"\nevaluation traffic removed from every row (calibrated on D-PSGD): {removed}")
     for line in notes + targets:
         print(line)
     with open(JSON, "w") as f:
         json.dump({"title": title, "baseline": BASELINE, "ranks": n, "epochs": epochs, "batch_size": BATCH,
-                   "topology": TOPOLOGY, "rows": rows, "targets": targets, "notes": notes,
-                   "evaluation_traffic_removed": removed}, f, indent=2)
+                   "topology": TOPOLOGY, "rows": rows, "targets": targets, "notes": notes}, f, indent=2)
     print(f"wrote {JSON}")
 
 

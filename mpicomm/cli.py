@@ -1,4 +1,4 @@
-"""The ``mpicomm`` command: ``mpicomm demo`` (and, as they land, training and SLURM sub-commands).
+"""The ``mpicomm`` command: ``demo``, ``plot`` and ``slurm`` (training itself runs through ``apps/``).
 
 Launch under MPI as ``mpiexec -n 4 mpicomm demo``. The entry point aborts the whole job when any
 rank raises, so a failure never leaves other ranks blocked in a collective.
@@ -18,12 +18,49 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="one neighbour exchange per codec on a ring of all ranks")
     demo.add_argument("--numel", type=int, default=100_000, help="elements per rank (default 100000)")
     demo.add_argument("--theta", type=float, default=0.1, help="Moniqua bound theta (default 0.1)")
+    plot = sub.add_parser("plot", help="PNG curves from metrics.jsonl files (accuracy vs epoch, time, bytes)")
+    plot.add_argument("metrics", nargs="+", help="metrics.jsonl files written by the apps")
+    plot.add_argument("-o", "--output", default="curves.png")
+    plot.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy, val_mlm_loss")
+    plot.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
+    slurm = sub.add_parser("slurm", help="render, submit or regenerate sbatch templates (see slurm/)")
+    slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
+    for name, text in (("render", "print the rendered template (or write it with -o)"),
+                       ("submit", "render, write (-o, default mpicomm-job.sbatch) and sbatch it")):
+        cmd = slurm_sub.add_parser(name, help=text)
+        cmd.add_argument("template", help="a path, or a name in slurm/ (generic, resnet20_moniqua, ...)")
+        cmd.add_argument("--preset", default="", help="start from a named preset's settings")
+        cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="an #SBATCH option (nodes, time, ...) or a parameter (ALGORITHM, EPOCHS, ...)")
+        cmd.add_argument("-o", "--output", default="")
+        if name == "submit":
+            cmd.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
+            cmd.add_argument("--sbatch-arg", action="append", default=[], help="extra argument for sbatch")
+    slurm_sub.add_parser("regenerate", help="rewrite slurm/<preset>.sbatch from slurm/generic.sbatch")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the sub-command on every rank."""
     args = _parser().parse_args(argv)
+    if args.command == "slurm":
+        from .slurm import commands
+
+        run = {"render": commands.main_render, "submit": commands.main_submit,
+               "regenerate": commands.main_regenerate}[args.slurm_command]
+        try:
+            return run(args)
+        except ValueError as exc:
+            raise SystemExit(f"mpicomm slurm {args.slurm_command}: error: {exc}") from exc
+    if args.command == "plot":
+        from .training.plot import plot_runs
+
+        labels = args.labels.split(",") if args.labels else None
+        try:
+            print(plot_runs(args.metrics, args.output, args.metric, labels))
+        except ValueError as exc:
+            raise SystemExit(f"mpicomm plot: error: {exc}") from exc
+        return 0
     from mpi4py import MPI
 
     from .comm import abort_on_exception

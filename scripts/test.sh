@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The whole test suite, every tier: ruff, serial tests, then the MPI tests under 1, 2 and 4 ranks.
+# The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2 and 4 ranks, then
+# rendered sbatch templates on a real single-node SLURM (root only; installed from Debian if missing).
 # Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
 # As root with `unshare` available, all tiers run in a loopback-only network namespace (no MPI byte
 # leaves the machine); elsewhere (a laptop, a cluster login node) they run normally.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh || exit 1
+[ -n "${MPICOMM_NETNS:-}" ] || scripts/install_slurm.sh   # SLURM + h5ls from Debian, as root (needs the network)
 if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev/null \
    && command -v ip >/dev/null && unshare -n true 2>/dev/null; then
   exec env MPICOMM_NETNS=loopback unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
@@ -28,6 +30,11 @@ tier serial python -m pytest -q "$@"
 for n in 1 2 4; do
   tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
 done
+if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
+  tier slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -m slurm tests/test_slurm.py
+else
+  echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED tiers: ${failed[*]}"
   exit 1

@@ -13,6 +13,7 @@ Two tools, for two situations:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 
@@ -36,7 +37,9 @@ def abort_on_exception(comm=None, exit_code: int = 1):
             raise
         sys.stderr.write(f"[rank {comm.Get_rank()}] exiting with {exc.code}; aborting the job\n")
         sys.stderr.flush()
-        comm.Abort(exc.code if isinstance(exc.code, int) else exit_code)
+        code = exc.code if isinstance(exc.code, int) else exit_code
+        comm.Abort(code)
+        os._exit(code)  # MPI_Abort may return before the launcher kills this process
     except BaseException:
         if comm.Get_size() == 1:
             raise
@@ -44,6 +47,7 @@ def abort_on_exception(comm=None, exit_code: int = 1):
         traceback.print_exc()
         sys.stderr.flush()
         comm.Abort(exit_code)
+        os._exit(exit_code)
 
 
 def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] = ValueError) -> None:

@@ -1,0 +1,64 @@
+"""The image-classification Task the training loop consumes: batches, loss, evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.nn import functional as F
+
+from .images import ImageData, augment, shard_indices
+
+__all__ = ["ImageTask"]
+
+
+class ImageTask:
+    """This rank's view of an image dataset for a model: deterministic batches, cross-entropy, test accuracy."""
+
+    def __init__(self, model: torch.nn.Module, data: ImageData, *, rank: int, size: int, batch_size: int,
+                 seed: int, dirichlet_alpha: float = 0.0, augment_images: bool = True, eval_limit: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
+        self.model, self.data = model, data
+        self.rank, self.batch_size, self.seed, self.augment = rank, batch_size, seed, augment_images
+        self.indices = shard_indices(data.y_train, rank, size, seed, dirichlet_alpha)
+        if len(self.indices) < batch_size:
+            raise ValueError(
+                f"--batch-size {batch_size} is larger than rank {rank}'s shard of {len(self.indices)} images")
+        self.steps_per_epoch = len(self.indices) // batch_size
+        limit = eval_limit if eval_limit > 0 else len(data.y_test)
+        self.x_test = data.normalise(data.x_test[:limit])
+        self.y_test = data.y_test[:limit]
+
+    def _generator(self, *key: int) -> torch.Generator:
+        value = self.seed
+        for k in (self.rank, *key):
+            value = value * 1_000_003 + k
+        return torch.Generator().manual_seed(value % (2**63))
+
+    def train_batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches ``start``, ``start + 1``, … of ``epoch`` (a pure function of seed, rank, epoch, index)."""
+        order = self.indices[torch.randperm(len(self.indices), generator=self._generator(epoch))]
+        for b in range(start, self.steps_per_epoch):
+            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            x = self.data.x_train[idx]
+            if self.augment:
+                x = augment(x, self._generator(epoch, b), self.data.flip)
+            yield self.data.normalise(x), self.data.y_train[idx]
+
+    def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Cross-entropy, with correct/count counters for the training accuracy."""
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits, y), {"correct": int((logits.argmax(1) == y).sum()), "count": len(y)}
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Test loss and accuracy (in batches of 500 to bound memory)."""
+        total_loss, correct = 0.0, 0
+        for start in range(0, len(self.y_test), 500):
+            x, y = self.x_test[start:start + 500], self.y_test[start:start + 500]
+            logits = model(x)
+            total_loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        n = max(len(self.y_test), 1)
+        return {"test_loss": total_loss / n, "test_accuracy": correct / n}

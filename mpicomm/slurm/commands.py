@@ -1,0 +1,105 @@
+"""``mpicomm slurm render|submit|regenerate``: the command-line side of the templates.
+
+Templates are found by path, or by name in ``./slurm/`` and then in the ``slurm/`` folder of the
+mpicomm checkout (``mpicomm slurm render generic`` == ``mpicomm slurm render slurm/generic.sbatch``).
+The named job templates (ResNet-20 with Moniqua, …) are the generic template rendered with a preset;
+``regenerate`` rewrites them and a test checks they never drift from their presets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .presets import PRESETS
+from .template import render
+
+__all__ = [
+    "find_template", "main_render", "main_regenerate", "main_submit", "parse_sets", "preset_text", "repo_slurm_dir",
+]
+
+
+def repo_slurm_dir() -> str:
+    """The ``slurm/`` folder of the checkout this package lives in."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "slurm")
+
+
+def find_template(name: str) -> str:
+    """Resolve a template path or name; ``ValueError`` listing what exists if not found."""
+    candidates = [name]
+    for folder in ("slurm", repo_slurm_dir()):
+        candidates += [os.path.join(folder, name), os.path.join(folder, name + ".sbatch")]
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    known = sorted(f[:-7] for f in os.listdir(repo_slurm_dir()) if f.endswith(".sbatch")) \
+        if os.path.isdir(repo_slurm_dir()) else []
+    raise ValueError(f"template {name!r} not found (as a path or in slurm/); known templates: {known}")
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """``["KEY=VALUE", …]`` -> dict, with a clear error for an item without ``=``."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _rendered(args) -> str:
+    sets = {}
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise ValueError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+        sets.update(PRESETS[args.preset])
+    sets.update(parse_sets(args.set))
+    with open(find_template(args.template)) as f:
+        return render(f.read(), sets)
+
+
+def main_render(args) -> int:
+    """Print (or write to ``-o``) the rendered template."""
+    text = _rendered(args)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main_submit(args) -> int:
+    """Render, write the job file, and hand it to ``sbatch`` (``--wait``: return the job's exit code)."""
+    text = _rendered(args)
+    path = args.output or "mpicomm-job.sbatch"
+    with open(path, "w") as f:
+        f.write(text)
+    cmd = ["sbatch", *(["--wait"] if args.wait else []), *args.sbatch_arg, path]
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def main_regenerate(args) -> int:
+    """Rewrite every preset template ``slurm/<preset>.sbatch`` from ``slurm/generic.sbatch``."""
+    folder = repo_slurm_dir()
+    with open(os.path.join(folder, "generic.sbatch")) as f:
+        generic = f.read()
+    for name in sorted(PRESETS):
+        with open(os.path.join(folder, f"{name}.sbatch"), "w") as f:
+            f.write(preset_text(generic, name))
+        print(os.path.join(folder, f"{name}.sbatch"))
+    return 0
+
+
+def preset_text(generic: str, name: str) -> str:
+    """``generic`` rendered with preset ``name``, its leading comment replaced by one naming the preset."""
+    body = render(generic, PRESETS[name])
+    lines = body.splitlines(keepends=True)
+    first_header = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    head = (f"#!/bin/bash\n# {name}: generated from slurm/generic.sbatch with the preset of the same name in\n"
+            f"# mpicomm/slurm/presets.py (`mpicomm slurm regenerate`). Submit: sbatch slurm/{name}.sbatch\n"
+            f"# Override a parameter at submission: sbatch --export=ALL,EPOCHS=10 slurm/{name}.sbatch\n")
+    return head + "".join(lines[first_header:])

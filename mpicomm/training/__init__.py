@@ -1,0 +1,1 @@
+"""The shared training loop and app plumbing: options, schedule, metrics, checkpoints, graceful stop."""

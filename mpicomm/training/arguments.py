@@ -1,0 +1,87 @@
+"""Command-line arguments every training app shares, and the set-up they drive.
+
+``app_parser`` adds the loop's options (epochs, schedule, checkpoints, …), ``--algorithm`` and
+``--topology``; ``parse_app_args`` parses in two passes so the chosen algorithm's own options
+(generated from its config dataclass) are accepted and shown in ``--help``; ``setup_run`` builds the
+communicator and the algorithm, turning any configuration error into the same message on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .. import topology
+from ..algorithms import ALGORITHMS, make_algorithm
+from ..comm import Communicator, raise_together
+from .loop import TrainConfig
+from .options import add_algorithm_options, config_kwargs
+
+__all__ = ["app_parser", "parse_app_args", "setup_run", "train_config"]
+
+
+def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
+    """A parser with the options shared by every app (the app adds its own data/model options)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
+    p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
+    p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"])
+    p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)")
+    p.add_argument("--milestones", type=lambda s: tuple(float(v) for v in s.split(",")), default=(0.5, 0.75),
+                   help="step schedule: fractions of the run where lr is multiplied by --lr-gamma")
+    p.add_argument("--lr-gamma", type=float, default=0.1)
+    p.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: each epoch)")
+    p.add_argument("--out-dir", default="", help="metrics.jsonl and checkpoints go here")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
+    p.add_argument("--resume", default="", help="'latest' (in --out-dir) or a checkpoint path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--stop-at-step", type=int, default=0,
+                   help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
+    return p
+
+
+def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse twice: first to learn ``--algorithm``, then with that algorithm's options added."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--algorithm", default=parser.get_default("algorithm"))
+    known, _ = pre.parse_known_args(argv)
+    add_algorithm_options(parser, known.algorithm)
+    return parser.parse_args(argv)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The loop's config from parsed arguments (the base lr is the algorithm's ``--lr``)."""
+    return TrainConfig(
+        epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, lr_schedule=args.lr_schedule,
+        warmup_steps=args.lr_warmup_steps, milestones=args.milestones, lr_gamma=args.lr_gamma,
+        log_every=args.log_every, eval_every=args.eval_every, out_dir=args.out_dir, save_every=args.save_every,
+        keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
+        stop_at_step=args.stop_at_step,
+    )
+
+
+def setup_run(args: argparse.Namespace, mpi_comm, build):
+    """Collective: ``build()`` -> (task, model); then the topology, communicator, algorithm and loop config.
+
+    Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value) becomes the
+    same ``ValueError`` on every rank, so the app can print it once per rank and exit non-zero, no hang.
+    """
+    error, task, cfg, topo = None, None, None, None
+    try:
+        cfg = train_config(args)
+        topo = topology.build(args.topology, mpi_comm.Get_size())
+        task = build()
+    except (ValueError, TypeError, OSError) as exc:
+        error = exc
+    raise_together(mpi_comm, error)
+    comm = Communicator(mpi_comm, topo)
+    options = config_kwargs(args, args.algorithm)
+    fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
+    if "total_steps" in fields and options.get("total_steps") is None:
+        options["total_steps"] = cfg.total_steps(task.steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction
+    algo = make_algorithm(args.algorithm, task.model, comm, **options)
+    return task, algo, cfg

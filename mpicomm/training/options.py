@@ -1,0 +1,83 @@
+"""Command-line options generated from the config dataclasses, so the CLI never drifts from the code.
+
+``algorithm_options(parser, name)`` adds one ``--field-name`` per field of the algorithm's config
+dataclass; ``config_kwargs(args, name)`` collects them back. Booleans become ``--flag/--no-flag``;
+fields whose default is ``None`` or whose type is a union accept a number or a word (``--theta 0.05``
+or ``--theta adaptive``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..algorithms import ALGORITHMS
+
+__all__ = ["add_algorithm_options", "config_kwargs", "key_values", "number_or_word"]
+
+
+def number_or_word(text: str):
+    """Parse ``text`` as an int, else a float, else keep the string (``"none"`` becomes ``None``)."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return None if text.lower() == "none" else text
+
+
+def key_values(text: str) -> dict:
+    """Parse ``"bits=4,bucket_size=128"`` into ``{"bits": 4, "bucket_size": 128}`` (empty string: ``{}``)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        out[key.strip()] = number_or_word(value.strip())
+    return out
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _converter(field: dataclasses.Field):
+    default = _default(field)
+    if isinstance(default, dict):
+        return key_values
+    if default is None or "|" in str(field.type) or "Union" in str(field.type):
+        return number_or_word
+    return type(default)
+
+
+def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
+    """Add the options of algorithm ``name``'s config (``--lr``, ``--bits``, …) to ``parser``."""
+    if name not in ALGORITHMS:
+        parser.error(f"--algorithm: unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+    cls = ALGORITHMS[name]
+    group = parser.add_argument_group(f"{name} options", (cls.config_class.__doc__ or "").strip().splitlines()[0])
+    for field in dataclasses.fields(cls.config_class):
+        flag = "--" + field.name.replace("_", "-")
+        default = _default(field)
+        if default is dataclasses.MISSING:
+            continue
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=" ")
+        else:
+            hint = "KEY=VALUE,..." if isinstance(default, dict) else " "
+            group.add_argument(flag, dest=field.name, type=_converter(field), default=default,
+                               metavar=field.name.upper(), help=hint)
+
+
+def config_kwargs(args: argparse.Namespace, name: str) -> dict:
+    """The config fields of algorithm ``name`` as found on ``args`` (only those that differ from defaults)."""
+    out = {}
+    for field in dataclasses.fields(ALGORITHMS[name].config_class):
+        if hasattr(args, field.name) and getattr(args, field.name) != _default(field):
+            out[field.name] = getattr(args, field.name)
+    return out

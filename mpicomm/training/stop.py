@@ -1,0 +1,39 @@
+"""Graceful stop on the signals a scheduler sends before a time limit or on preemption.
+
+SLURM sends ``SIGTERM`` on preemption/cancel and, with ``--signal=USR1@N``, ``SIGUSR1`` N seconds before
+the time limit. The handler only sets a flag; the training loop checks it after each step and all ranks
+agree (one tiny allreduce), so every rank finishes the same step, commits a checkpoint and exits together.
+"""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = ["StopFlag"]
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (or by hand); ``agreed(comm)`` is True on every rank once any rank saw one."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self, install: bool = True):
+        self.signum: int | None = None
+        self._previous = {}
+        if install:
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self, mpi_comm) -> int:
+        """Collective: the signal number any rank received (0 if none)."""
+        return max(mpi_comm.allgather(self.signum or 0))
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
