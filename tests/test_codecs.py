@@ -425,16 +425,17 @@ def test_other_input_dtypes_match_float32_of_them(case, dtype):
 
 
 def test_registry_and_make_codec():
-    assert set(CODECS) == {"identity", "fp16", "bf16", "uniform", "sign", "qsgd", "terngrad", "topk", "randomk"}
+    assert set(CODECS) == {"identity", "fp16", "bf16", "uniform", "sign", "qsgd", "terngrad", "topk", "randomk", "hsq"}
     assert isinstance(make_codec("uniform", bits=4, rounding="stochastic"), UniformCodec)
     assert make_codec("bf16").dtype == torch.bfloat16
     assert make_codec("terngrad").bits == 2
     for name in CODECS:
         kwargs = {"bits": 4} if name in ("uniform", "qsgd") else {"ratio": 0.5} if name in ("topk", "randomk") else {}
+        kwargs = {"layout": [2000]} if name == "hsq" else kwargs
         codec = make_codec(name, **kwargs)
         assert isinstance(codec, Codec)
-    with pytest.raises(ValueError, match="valid names: bf16, fp16, identity"):
-        make_codec("hsq")
+    with pytest.raises(ValueError, match="valid names: bf16, fp16, hsq, identity"):
+        make_codec("nope")
 
 
 @pytest.mark.parametrize(

@@ -142,8 +142,10 @@ def test_alltoall_rejects_uneven_split(comm):
     def body():
         n = comm.Get_size()
         c = Communicator(comm, topo.ring(n))
+        if n == 1:  # every length splits evenly over one rank
+            return
         with pytest.raises(ValueError, match="multiple of the"):
-            c.alltoall(torch.zeros(n + 1 if n > 1 else 0))
+            c.alltoall(torch.zeros(n + 1))
 
     run_all(comm, body)
 
