@@ -92,17 +92,20 @@ def test_template_job_completes_with_metrics_and_checkpoint(tmp_path):
     assert shown.strip() == "['00000', '00001'] 2"
 
 
+@pytest.mark.timeout(600)
 def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
     reference_id, reference_dir = _submit(tmp_path, "reference", save_every=6, wait=True)
     job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False)
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # wait until training is under way (handlers installed)
         if os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3 for r in read_metrics(metrics)):
             break
         time.sleep(0.5)
     else:
-        pytest.fail("the job never reached step 3: " + _diagnose(out_dir))
+        queue = subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
+        pytest.fail(f"the job never reached step 3; queue:\n{queue}\n" + _diagnose(out_dir))
+    deadline = time.monotonic() + 300
     subprocess.run(["scancel", "--signal=USR1", str(job_id)], check=True)
     released = False
     while time.monotonic() < deadline:

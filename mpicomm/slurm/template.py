@@ -82,6 +82,8 @@ def _validate(key: str, value: str) -> None:
 
         if value not in TOPOLOGIES:
             raise ValueError(f"--set TOPOLOGY={value}: unknown topology; choose one of {sorted(TOPOLOGIES)}")
+    if key == "LAUNCHER" and value not in ("auto", "srun", "mpiexec"):
+        raise ValueError(f"--set LAUNCHER={value}: expected auto, srun or mpiexec")
     if key == "MPI_PMI" and value not in ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta", "none"):
         raise ValueError(f"--set MPI_PMI={value}: expected pmi2, pmix(_vN), cray_shasta or none (srun --mpi)")
 
