@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
+
+import numpy as np
+import torch
 
 from .. import topology
 from ..algorithms import ALGORITHMS, make_algorithm
@@ -17,7 +21,7 @@ from ..comm import Communicator, raise_together
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
 
-__all__ = ["app_parser", "parse_app_args", "setup_run", "train_config"]
+__all__ = ["app_parser", "parse_app_args", "seed_everything", "setup_run", "train_config"]
 
 
 def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
@@ -64,6 +68,13 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def seed_everything(seed: int) -> None:
+    """Seed torch, numpy's and python's global generators (a resumed run restores them from the checkpoint)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def setup_run(args: argparse.Namespace, mpi_comm, build):
     """Collective: ``build()`` -> (task, model); then the topology, communicator, algorithm and loop config.
 
@@ -71,6 +82,7 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
     same ``ValueError`` on every rank, so the app can print it once per rank and exit non-zero, no hang.
     """
     error, task, cfg, topo = None, None, None, None
+    seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
         cfg = train_config(args)
         topo = topology.build(args.topology, mpi_comm.Get_size())

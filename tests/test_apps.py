@@ -1,0 +1,71 @@
+"""The apps end to end under mpiexec: training losses against stored reference curves, and bad arguments.
+
+Each case launches its own MPI job (serial tier). The reference losses in ``tests/reference/apps.json``
+were produced by this code with ``MPICOMM_UPDATE_REFERENCES=1``; a change that alters the maths of an
+algorithm, a model, the data pipeline or the seeding shows up as a mismatch. Tolerance: rtol 1e-4
+(float32 summation order may differ across CPUs; the same machine reproduces them exactly).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpicomm.training.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE = os.path.join(REPO, "tests", "reference", "apps.json")
+pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+
+RESNET = ["--model", "resnet20", "--batch-size", "8", "--eval-limit", "32", "--max-steps", "4", "--log-every", "1",
+          "--no-progress"]
+BERT = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-sequences", "16", "--max-steps", "4",
+        "--log-every", "1", "--no-progress", "--lr", "1e-3"]
+CASES = {
+    "resnet-dpsgd-2": (2, "train_resnet.py", RESNET + ["--algorithm", "dpsgd", "--momentum", "0.9"]),
+    "resnet-moniqua1bit-2": (2, "train_resnet.py", RESNET + ["--algorithm", "moniqua", "--bits", "1"]),
+    "resnet-cpdsgdm-4": (4, "train_resnet.py", RESNET + ["--algorithm", "cpdsgdm", "--period", "2"]),
+    "bert-apmsqueeze-2": (2, "train_bert.py", BERT + ["--algorithm", "apmsqueeze", "--warmup-steps", "2"]),
+    "bert-allreduce_adam-4": (4, "train_bert.py", BERT + ["--algorithm", "allreduce_adam"]),
+}
+
+
+def _launch(ranks: int, app: str, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_training_losses_match_reference(case, tmp_path):
+    ranks, app, args = CASES[case]
+    proc = _launch(ranks, app, [*args, "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    losses = [r["loss"] for r in records if r["event"] == "train"]
+    assert len(losses) == 4
+    assert any(r["event"] == "end" and r["bytes_sent"] > 0 for r in records)
+    if os.environ.get("MPICOMM_UPDATE_REFERENCES") == "1":
+        stored = json.load(open(REFERENCE)) if os.path.exists(REFERENCE) else {}
+        stored[case] = losses
+        os.makedirs(os.path.dirname(REFERENCE), exist_ok=True)
+        with open(REFERENCE, "w") as f:
+            json.dump(stored, f, indent=1, sort_keys=True)
+        return
+    expected = json.load(open(REFERENCE))[case]
+    assert losses == pytest.approx(expected, rel=1e-4), f"{case}: losses {losses} vs reference {expected}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--algorithm", "sgd9000"], "--algorithm: unknown algorithm 'sgd9000'"),
+    (["--model", "resnet7"], "--model: unknown model 'resnet7'"),
+    (["--data-dir", "/nonexistent/cifar"], "--data-dir '/nonexistent/cifar': expected the CIFAR-10 python archive"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+])
+def test_bad_arguments_fail_with_one_clear_message_on_every_rank(args, message):
+    proc = _launch(2, "train_resnet.py", ["--max-steps", "1", "--no-progress", *args], timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count(message) == 2, proc.stderr[-2000:]
