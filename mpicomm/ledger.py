@@ -53,6 +53,14 @@ class Ledger:
         for peer, n in recvs.items():
             self.received[(op, peer)].add(n)
 
+    def record_uniform(self, op: str, nbytes: int, dests, sources) -> None:
+        """Book one call that sent ``nbytes`` to each of ``dests`` and received as much from each of ``sources``."""
+        self.contributed[op].add(nbytes)
+        for peer in dests:
+            self.sent[(op, peer)].add(nbytes)
+        for peer in sources:
+            self.received[(op, peer)].add(nbytes)
+
     def bytes_contributed(self, op: str | None = None) -> int:
         """Total bytes handed to MPI (all operations, or only ``op``)."""
         return sum(c.bytes for k, c in self.contributed.items() if op is None or k == op)

@@ -152,6 +152,9 @@ class Algorithm(abc.ABC):
             group["lr"] = lr
         optimizer.step()
 
+    def close(self) -> None:
+        """Collective: release communication resources (asynchronous algorithms free their windows)."""
+
     def set_lr(self, lr: float) -> None:
         """Change the step size (learning-rate schedules call this every step)."""
         check_range("lr", lr, lo=0.0)

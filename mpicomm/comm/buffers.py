@@ -51,6 +51,8 @@ def query_cuda_aware() -> bool:
 
 def as_bytes(t: torch.Tensor):
     """``[buffer, MPI.BYTE]`` spec of a contiguous tensor (CPU: numpy view; CUDA: the tensor itself)."""
+    if t.dtype == torch.uint8 and t.device.type == "cpu":
+        return [t.detach().numpy(), MPI.BYTE]  # payloads: the common case, skip the re-views
     raw = t.detach().view(torch.uint8) if t.dim() == 1 else t.detach().reshape(-1).view(torch.uint8)
     return [raw.numpy() if raw.device.type == "cpu" else raw, MPI.BYTE]
 

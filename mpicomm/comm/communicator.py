@@ -75,14 +75,15 @@ class Communicator:
         self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
         self._recv: dict[tuple, torch.Tensor] = {}
         self._graphs: list = []
+        self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         by_topology: dict = {}
         for step in range(topology.period):
             topo = topology.at(step)
+            sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
             if topo not in by_topology:
-                by_topology[topo] = comm.Create_dist_graph_adjacent(
-                    list(topo.in_neighbors(self.rank)), list(topo.out_neighbors(self.rank)), reorder=False
-                )
+                by_topology[topo] = comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
             self._graphs.append((topo, by_topology[topo]))
+            self._neighbors.append((sources, dests))
 
     # ------------------------------------------------------------------ topology helpers
     def topology(self, step: int = 0):
@@ -91,11 +92,11 @@ class Communicator:
 
     def in_neighbors(self, step: int = 0) -> tuple[int, ...]:
         """Ranks this rank receives from at ``step``, in the row order of neighbour receive buffers."""
-        return self.topology(step).in_neighbors(self.rank)
+        return self._neighbors[step % len(self._neighbors)][0]
 
     def out_neighbors(self, step: int = 0) -> tuple[int, ...]:
         """Ranks this rank sends to at ``step``."""
-        return self.topology(step).out_neighbors(self.rank)
+        return self._neighbors[step % len(self._neighbors)][1]
 
     def _recv_buffer(self, op: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
         key = (op, shape, like.dtype, like.device)
@@ -123,8 +124,9 @@ class Communicator:
         return self._neighbor_allgather(send, out, step, blocking=False)
 
     def _neighbor_allgather(self, send, out, step, blocking):
-        topo, graph = self._graphs[step % len(self._graphs)]
-        sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
+        index = step % len(self._graphs)
+        graph = self._graphs[index][1]
+        sources, dests = self._neighbors[index]
         shape = (len(sources), *send.shape)
         if out is None:
             out = self._recv_buffer("neighbor_allgather", shape, send)
@@ -132,8 +134,7 @@ class Communicator:
         sbuf = self.router.outbound("neighbor_allgather", send)
         rbuf, land = self.router.inbound("neighbor_allgather", out)
         nbytes = send.numel() * send.element_size()
-        self.ledger.record("neighbor_allgather", nbytes, dict.fromkeys(dests, nbytes),
-                           dict.fromkeys(sources, nbytes))
+        self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources)
 
         def finish():
             land()

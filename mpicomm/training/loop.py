@@ -228,6 +228,7 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
         save(epoch, 0)
     progress.close()
     stop.uninstall()
+    algo.close()
     summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
                "wall_s": time.perf_counter() - t_run, **last_eval, **algo.comm.ledger.totals()}
     metrics.write(summary)

@@ -1,0 +1,90 @@
+"""The ResNet app's data path on a tiny archive in the exact CIFAR-10 format, shards, and ``mpicomm plot``."""
+
+import json
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
+
+from data.image_task import ImageTask  # noqa: E402
+from data.images import load_cifar10, shard_indices  # noqa: E402
+
+from mpicomm.training.plot import plot_runs  # noqa: E402
+
+
+def _write_cifar(folder, per_batch=12):
+    """``cifar-10-batches-py`` with 5 training batches and a test batch of ``per_batch`` images each."""
+    root = folder / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    images = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        labels = list(rng.integers(0, 10, size=per_batch))
+        with open(root / name, "wb") as f:
+            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, f)
+        images[name] = (data, labels)
+    return images
+
+
+def test_cifar_reader_reads_the_standard_archive_exactly(tmp_path):
+    images = _write_cifar(tmp_path)
+    data = load_cifar10(str(tmp_path))
+    assert data.x_train.shape == (60, 3, 32, 32) and data.x_test.shape == (12, 3, 32, 32)
+    first, labels = images["data_batch_1"]
+    assert torch.equal(data.x_train[0], torch.from_numpy(first[0].reshape(3, 32, 32)))
+    assert data.y_train[:12].tolist() == [int(v) for v in labels]
+    assert data.flip
+
+
+def test_cifar_reader_names_what_is_missing(tmp_path):
+    _write_cifar(tmp_path)
+    os.remove(tmp_path / "cifar-10-batches-py" / "test_batch")
+    with pytest.raises(ValueError, match=r"missing \['test_batch'\]"):
+        load_cifar10(str(tmp_path))
+
+
+def test_task_batches_are_deterministic_and_resumable(tmp_path):
+    _write_cifar(tmp_path)
+    data = load_cifar10(str(tmp_path))
+    task = ImageTask(torch.nn.Linear(1, 1), data, rank=1, size=2, batch_size=5, seed=3)
+    full = list(task.train_batches(epoch=2))
+    tail = list(task.train_batches(epoch=2, start=2))
+    assert len(full) == task.steps_per_epoch == 30 // 5
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(full[2:], tail))
+    assert not torch.equal(full[0][0], next(task.train_batches(epoch=3))[0])
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_shards_partition_the_training_set(alpha):
+    labels = torch.from_numpy(np.random.default_rng(1).integers(0, 10, size=500))
+    shards = [shard_indices(labels, r, 4, seed=0, dirichlet_alpha=alpha) for r in range(4)]
+    together = torch.cat(shards)
+    assert sorted(together.tolist()) == list(range(500))
+    if alpha:  # non-IID: label histograms differ markedly between ranks
+        hist = [torch.bincount(labels[s], minlength=10).float() / len(s) for s in shards]
+        assert max(float((hist[0] - h).abs().sum()) for h in hist[1:]) > 0.3
+
+
+def test_plot_writes_a_png_and_refuses_bad_input(tmp_path):
+    paths = []
+    for name, acc in (("a", 0.5), ("b", 0.7)):
+        run = tmp_path / name
+        run.mkdir()
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in (1, 2):
+                f.write(json.dumps({"event": "eval", "epoch": step, "wall_s": step, "bytes_sent": 1e6 * step,
+                                    "test_accuracy": acc * step / 2}) + "\n")
+        paths.append(str(run / "metrics.jsonl"))
+    out = plot_runs(paths, str(tmp_path / "curves.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="does not exist"):
+        plot_runs([str(tmp_path / "nope.jsonl")], str(tmp_path / "x.png"))
+    with pytest.raises(ValueError, match="2 labels for 1"):
+        plot_runs(paths[:1], str(tmp_path / "x.png"), labels=["a", "b"])
