@@ -24,7 +24,6 @@ Writes bench/results/centralized.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, report, run_case  # noqa: E402
+from bench.common import DigitsData, benchmark_epochs, report, run_case  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "centralized.json")
@@ -107,13 +106,7 @@ def _targets(sgd: list[dict], adam: list[dict], phase: dict | None) -> list[str]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20, help="training epochs per case (default 20)")
-    parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
-    args = parser.parse_args()
-    epochs = 3 if args.quick else args.epochs
-    if epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {epochs}")
+    epochs = benchmark_epochs(__doc__.splitlines()[0])
     comm = MPI.COMM_WORLD
     steps = epochs * (len(DigitsData(comm.Get_rank(), comm.Get_size()).x) // BATCH)
     total_steps = comm.allreduce(steps, op=MPI.MIN)

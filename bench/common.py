@@ -11,6 +11,7 @@ Every benchmark script runs under ``mpiexec -n N python bench/<name>.py`` and ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -22,7 +23,7 @@ from mpicomm import topology
 from mpicomm.algorithms import make_algorithm
 from mpicomm.comm import Communicator
 
-__all__ = ["DigitsData", "make_mlp", "report", "run_case"]
+__all__ = ["DigitsData", "benchmark_epochs", "make_mlp", "report", "run_case"]
 
 
 class DigitsData:
@@ -49,6 +50,18 @@ class DigitsData:
         for start in range(0, len(order) - batch_size + 1, batch_size):
             idx = order[start:start + batch_size]
             yield self.x[idx], self.y[idx]
+
+
+def benchmark_epochs(description: str, default: int = 20) -> int:
+    """Parse the convergence benchmarks' shared options: ``--epochs N`` or ``--quick`` (3 epochs)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=default, help=f"training epochs per case (default {default})")
+    parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
+    args = parser.parse_args()
+    epochs = 3 if args.quick else args.epochs
+    if epochs < 1:
+        raise SystemExit(f"--epochs must be >= 1, got {epochs}")
+    return epochs
 
 
 def make_mlp(seed: int = 0) -> torch.nn.Module:

@@ -17,7 +17,6 @@ Writes bench/results/decentralized.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import report, run_case  # noqa: E402
+from bench.common import benchmark_epochs, report, run_case  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decentralized.json")
@@ -72,13 +71,7 @@ def _target(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20, help="training epochs per case (default 20)")
-    parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
-    args = parser.parse_args()
-    epochs = 3 if args.quick else args.epochs
-    if epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {epochs}")
+    epochs = benchmark_epochs(__doc__.splitlines()[0])
     comm = MPI.COMM_WORLD
     notes: list[str] = []
     rows = _run(comm, epochs, notes)

@@ -12,7 +12,6 @@ Writes bench/results/moniqua.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, make_mlp, report  # noqa: E402
+from bench.common import DigitsData, benchmark_epochs, make_mlp, report  # noqa: E402
 from mpicomm import topology  # noqa: E402
 from mpicomm.algorithms import make_algorithm  # noqa: E402
 from mpicomm.comm import Communicator  # noqa: E402
@@ -69,11 +68,7 @@ def run(mpi_comm, label: str, algorithm: str, options: dict, epochs: int) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=20, help="training epochs per case (default 20)")
-    parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
-    args = parser.parse_args()
-    epochs = 3 if args.quick else args.epochs
+    epochs = benchmark_epochs(__doc__.splitlines()[0])
     comm = MPI.COMM_WORLD
     rows = []
     for label, algorithm, options in CASES:
