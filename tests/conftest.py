@@ -3,6 +3,12 @@
 import traceback
 
 import pytest
+from hypothesis import settings
+
+# Same examples on every run and on every MPI rank: a property test must not pass or fail by luck,
+# and ranks drawing different examples would enter different collectives.
+settings.register_profile("mpicomm", derandomize=True, deadline=None, database=None)
+settings.load_profile("mpicomm")
 
 
 @pytest.fixture

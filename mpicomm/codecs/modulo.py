@@ -44,7 +44,7 @@ __all__ = ["ModuloCodec", "cmod"]
 
 
 def cmod(a, B):
-    """Centred modulo ``a - B*floor(a/B + 1/2)`` in [-B/2, B/2) (tensor or float ``a``, ``B`` > 0)."""
+    """Centred modulo ``a - B*floor(a/B + 1/2)``: in [-B/2, B/2) up to rounding (tensor or float ``a``, B > 0)."""
     if isinstance(a, torch.Tensor):
         return a - B * torch.floor(a / B + 0.5)
     return a - B * math.floor(a / B + 0.5)
