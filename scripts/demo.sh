@@ -9,7 +9,9 @@ scripts/setup_env.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RANKS=${RANKS:-4}
-cmd=(mpiexec -n "$RANKS" python apps/train_resnet.py --model resnet20 --algorithm moniqua --bits 1
+algorithm=(--algorithm moniqua --bits 1)   # another --algorithm in the arguments replaces both
+for arg in "$@"; do case "$arg" in --algorithm|--algorithm=*) algorithm=() ;; esac; done
+cmd=(mpiexec -n "$RANKS" python apps/train_resnet.py --model resnet20 "${algorithm[@]}"
      --epochs 4 --lr 0.1 --momentum 0.9 --out-dir runs/demo "$@")
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null && unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && exec "$@"' _ "${cmd[@]}"
