@@ -42,10 +42,7 @@ def _submit(tmp_path, name: str, save_every: int, wait: bool) -> tuple[int, str]
     os.makedirs(out_dir)
     job = tmp_path / f"{name}.sbatch"
     job.write_text(_job_text(out_dir, save_every))
-    # pytest's PYTEST_CURRENT_TEST ("file::test (call)") reaches the job through sbatch's --export=ALL and
-    # made MPICH's PMI2 start-up under srun 22.05 hang here; submit from the environment minus pytest's
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    proc = subprocess.Popen(["sbatch", "--parsable", *(["--wait"] if wait else []), str(job)], cwd=REPO, env=env,
+    proc = subprocess.Popen(["sbatch", "--parsable", *(["--wait"] if wait else []), str(job)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=240)
