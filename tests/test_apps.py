@@ -69,3 +69,28 @@ def test_bad_arguments_fail_with_one_clear_message_on_every_rank(args, message):
     proc = _launch(2, "train_resnet.py", ["--max-steps", "1", "--no-progress", *args], timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count(message) == 2, proc.stderr[-2000:]
+
+
+def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path):
+    """``--net``: same losses as without it; each step's comm time is the alpha-beta cost of its bytes."""
+    from mpicomm.net import CostModel, parse_net
+
+    ranks, app, args = CASES["resnet-dpsgd-2"]
+    proc = _launch(ranks, app, [*args, "--out-dir", str(tmp_path), "--net", "80mbit,1ms"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert records[0]["net"] == "80mbit,1ms"
+    train = [r for r in records if r["event"] == "train"]
+    assert [r["loss"] for r in train] == pytest.approx(json.load(open(REFERENCE))["resnet-dpsgd-2"], rel=1e-4)
+    model = CostModel(parse_net("80mbit,1ms"))
+    previous_sent = previous_received = 0
+    for r in train:  # one step per record (--log-every 1)
+        cost = model.neighbor(r["bytes_sent"] - previous_sent, r["bytes_received"] - previous_received)
+        previous_sent, previous_received = r["bytes_sent"], r["bytes_received"]
+        assert cost > 0.1  # ResNet-20 is ~1.1 MB of float32: ~0.11 s a step at 10 MB/s
+        assert cost * 0.999 <= r["comm_s_per_step"] <= cost * 1.001, (r["comm_s_per_step"], cost)
+        parts = r["compute_s_per_step"] + r["comm_s_per_step"] + r["wait_s_per_step"]
+        assert parts == pytest.approx(r["step_s_per_step"], rel=1e-9)
+    end = records[-1]
+    # train_s is rank 0's own total; the per-step figures are averages over ranks.
+    assert end["train_s"] == pytest.approx(sum(r["step_s_per_step"] for r in train), rel=0.1)

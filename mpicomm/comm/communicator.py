@@ -7,7 +7,10 @@ construction, so a time-varying schedule costs nothing per step. Receive buffers
 (operation, shape, dtype, device) and reused: a returned receive tensor stays valid until the next
 call of the same operation with the same shape, unless the caller passes ``out=``.
 
-Every call books its bytes in the :class:`~mpicomm.ledger.Ledger`.
+Every call books its bytes in the :class:`~mpicomm.ledger.Ledger` and goes through a
+:class:`~mpicomm.net.NetClock`, which times it and, given a network setting (``net="1gbit,100us"``),
+adds the alpha-beta model's cost of the operation on top of the real transfer (see
+:mod:`mpicomm.net.model` for each collective's formula).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from mpi4py import MPI
 
 from ..ledger import ANY, Ledger
+from ..net import CostModel, NetClock, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, mpi_typed, query_cuda_aware
 
 __all__ = ["Communicator", "Handle"]
@@ -28,20 +32,22 @@ _REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 class Handle:
     """A pending non-blocking operation; ``wait()`` completes it and returns its result."""
 
-    def __init__(self, request, finish):
+    def __init__(self, request, finish, clock: NetClock, deadline: float):
         self._request = request
         self._finish = finish
+        self._clock = clock
+        self._deadline = deadline
         self._result = None
         self._done = False
 
     def test(self) -> bool:
-        """True when the operation has completed (without blocking)."""
-        return self._done or bool(self._request.Test())
+        """True when the operation (and its modelled transfer, if any) has completed, without blocking."""
+        return self._done or (bool(self._request.Test()) and self._clock.passed(self._deadline))
 
     def wait(self):
         """Block until complete; return the received tensor (idempotent)."""
         if not self._done:
-            self._request.Wait()
+            self._clock.complete(self._deadline, self._request.Wait)
             self._result = self._finish()
             self._done = True
         return self._result
@@ -57,10 +63,12 @@ class Communicator:
     ledger: where traffic is booked (a fresh one per communicator by default).
     cuda_aware: whether MPI takes device pointers; ``None`` probes the library (see ``query_cuda_aware``).
     stage: ``"auto"``, ``"always"`` or ``"never"``; see :class:`~mpicomm.comm.buffers.BufferRouter`.
+    net: a network setting to model on top of the real transfers: a ``--net`` string such as
+        ``"1gbit,100us"``, a :class:`~mpicomm.net.NetSpec`, or None (no model; calls are still timed).
     """
 
     def __init__(self, comm, topology, *, ledger: Ledger | None = None, cuda_aware: bool | None = None,
-                 stage: str = "auto"):
+                 stage: str = "auto", net: str | NetSpec | None = None):
         if topology.size != comm.Get_size():
             # Topology and world size are the same on every rank, so every rank raises this together.
             raise ValueError(
@@ -73,6 +81,8 @@ class Communicator:
         self.schedule = topology
         self.ledger = ledger if ledger is not None else Ledger(self.rank)
         self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
+        self.net = parse_net(net) if isinstance(net, str) or net is None else net
+        self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
         self._recv: dict[tuple, torch.Tensor] = {}
         self._graphs: list = []
         self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -136,14 +146,21 @@ class Communicator:
         nbytes = send.numel() * send.element_size()
         self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources)
 
+        def cost(model: CostModel) -> float:
+            return model.neighbor(nbytes * len(dests), nbytes * len(sources))
+
         def finish():
             land()
             return out
 
         if blocking:
-            graph.Neighbor_allgather(as_bytes(sbuf), as_bytes(rbuf))
+            self.clock.run(cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)))
             return finish()
-        return Handle(graph.Ineighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)), finish)
+        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
+
+    def _handle(self, request, finish, cost) -> Handle:
+        """A :class:`Handle` whose modelled transfer is queued on the link now."""
+        return Handle(request, finish, self.clock, self.clock.post(cost))
 
     def neighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int],
                            step: int = 0) -> list[torch.Tensor]:
@@ -169,9 +186,12 @@ class Communicator:
         rbuf, land = self.router.inbound("neighbor_alltoallv", packed_recv)
         size = like.element_size()
         sdispl, rdispl = _displacements(send_counts), _displacements(recv_numels)
-        graph.Neighbor_alltoallv(
-            [as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
-            [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE],
+        self.clock.run(
+            lambda model: model.neighbor(sum(send_counts) * size, sum(recv_numels) * size),
+            lambda: graph.Neighbor_alltoallv(
+                [as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
+                [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE],
+            ),
         )
         land()
         self.ledger.record("neighbor_alltoallv", sum(send_counts) * size,
@@ -199,14 +219,17 @@ class Communicator:
         peers = {ANY: volume} if self.size > 1 else {}
         self.ledger.record("allreduce", nbytes, peers, peers)
 
+        def cost(model: CostModel) -> float:
+            return model.allreduce(nbytes, self.size)
+
         def finish():
             land()
             return t
 
         if blocking:
-            self.comm.Allreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op])
+            self.clock.run(cost, lambda: self.comm.Allreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]))
             return finish()
-        return Handle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]), finish)
+        return self._handle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]), finish, cost)
 
     def allgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather ``send`` from every rank; returns ``(size, *send.shape)`` in rank order."""
@@ -227,14 +250,17 @@ class Communicator:
         others = {p: nbytes for p in range(self.size) if p != self.rank}
         self.ledger.record("allgather", nbytes, others, others)
 
+        def cost(model: CostModel) -> float:
+            return model.allgather(nbytes, self.size)
+
         def finish():
             land()
             return out
 
         if blocking:
-            self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf))
+            self.clock.run(cost, lambda: self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf)))
             return finish()
-        return Handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish)
+        return self._handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
 
     def alltoall(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Send chunk k of ``send`` (split evenly along dim 0) to rank k; returns the chunks received, in rank order."""
@@ -258,16 +284,20 @@ class Communicator:
         rbuf, land = self.router.inbound("alltoall", out)
         chunk = send.numel() * send.element_size() // self.size
         others = {p: chunk for p in range(self.size) if p != self.rank}
-        self.ledger.record("alltoall", send.numel() * send.element_size(), others, others)
+        total = send.numel() * send.element_size()
+        self.ledger.record("alltoall", total, others, others)
+
+        def cost(model: CostModel) -> float:
+            return model.alltoall(total, self.size)
 
         def finish():
             land()
             return out
 
         if blocking:
-            self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf))
+            self.clock.run(cost, lambda: self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf)))
             return finish()
-        return Handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish)
+        return self._handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
@@ -279,13 +309,13 @@ class Communicator:
             self.ledger.record("bcast", nbytes, {p: nbytes for p in range(self.size) if p != root}, {})
         else:
             self.ledger.record("bcast", 0, {}, {root: nbytes})
-        self.comm.Bcast(as_bytes(buf), root=root)
+        self.clock.run(lambda model: model.bcast(nbytes, self.size), lambda: self.comm.Bcast(as_bytes(buf), root=root))
         land()
         return t
 
     def barrier(self) -> None:
         """Block until every rank arrives."""
-        self.comm.Barrier()
+        self.clock.run(lambda model: model.barrier(self.size), self.comm.Barrier)
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from .. import topology
 from ..algorithms import ALGORITHMS, make_algorithm
 from ..comm import Communicator, raise_together
+from ..net import NAMED, parse_net
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
 
@@ -29,6 +30,8 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
+    p.add_argument("--net", default="", help="model this network on top of the real transfers: BANDWIDTH,LATENCY "
+                   f"such as 1gbit,100us, or one of {', '.join(NAMED)} (empty: no model)")
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
     p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"])
@@ -81,16 +84,17 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
     Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value) becomes the
     same ``ValueError`` on every rank, so the app can print it once per rank and exit non-zero, no hang.
     """
-    error, task, cfg, topo = None, None, None, None
+    error, task, cfg, topo, net = None, None, None, None, None
     seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
         cfg = train_config(args)
         topo = topology.build(args.topology, mpi_comm.Get_size())
+        net = parse_net(args.net)
         task = build()
     except (ValueError, TypeError, OSError) as exc:
         error = exc
     raise_together(mpi_comm, error)
-    comm = Communicator(mpi_comm, topo)
+    comm = Communicator(mpi_comm, topo, net=net)
     options = config_kwargs(args, args.algorithm)
     fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
     if "total_steps" in fields and options.get("total_steps") is None:

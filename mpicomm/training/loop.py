@@ -7,7 +7,14 @@ bit-exactly: batches are a pure function of (seed, rank, epoch, index), the lear
 of the step, and every random generator is part of the checkpoint.
 
 Monitoring collectives (loss averages for the log, the stop-signal agreement) go through the raw
-communicator and are not booked in the Ledger: the Ledger counts what the algorithm sends.
+communicator and are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation
+runs with the network clock paused, so a modelled network (``--net``) charges only training traffic.
+
+Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
+calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
+communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
+``train_s`` in eval events is rank 0's cumulative time inside training steps (no evaluation, logging
+or checkpoints): the x-axis of time-to-accuracy.
 """
 
 from __future__ import annotations
@@ -166,11 +173,14 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     metrics = MetricsWriter(metrics_path or None, enabled=rank == 0, append=bool(resumed_from))
     if rank == 0:
         metrics.write({"event": "start", "step": step, "resumed_from": resumed_from, "total_steps": total,
-                       "ranks": size, "algorithm": algo.name, "config": dataclasses.asdict(algo.config),
+                       "ranks": size, "algorithm": algo.name,
+                       "net": str(algo.comm.net) if algo.comm.net else "", "config": dataclasses.asdict(algo.config),
                        "train_config": dataclasses.asdict(cfg), **(run_info or {})})
     stop = StopFlag(install=cfg.handle_signals)
     progress = _Progress(cfg.progress and rank == 0, total, step)
-    window = {"loss": 0.0, "compute_s": 0.0, "step_s": 0.0, "n": 0}
+    window = {"loss": 0.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "step_s": 0.0, "n": 0}
+    clock = algo.comm.clock
+    train_s = 0.0
     counters: dict[str, float] = {}
     stopped_by = 0
     last_eval: dict[str, float] = {}
@@ -188,18 +198,17 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     while step < total and not stopped_by:
         for index, batch in enumerate(task.train_batches(epoch, start), start=start):
             algo.set_lr(schedule(step))
+            blocked, slept = clock.blocked_s, clock.slept_s
             t0 = time.perf_counter()
             algo.zero_grad()
             loss, counts = task.loss(algo.model, batch)
             loss.backward()
-            t1 = time.perf_counter()
             algo.step()
-            t2 = time.perf_counter()
+            elapsed = time.perf_counter() - t0
             step += 1
+            train_s += elapsed
+            _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
             window["loss"] += float(loss.detach())
-            window["compute_s"] += t1 - t0
-            window["step_s"] += t2 - t1
-            window["n"] += 1
             for k, v in counts.items():
                 counters[k] = counters.get(k, 0.0) + float(v)
             finished_epoch = index + 1 == task.steps_per_epoch
@@ -208,9 +217,11 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
                 _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, time.perf_counter() - t_run)
             if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
                     or step == total:
-                last_eval = _evaluate(task, algo, mpi_comm)
+                with clock.paused():
+                    last_eval = _evaluate(task, algo, mpi_comm)
                 metrics.write({"event": "eval", "step": step, "epoch": epoch + (index + 1) / task.steps_per_epoch,
-                               "wall_s": time.perf_counter() - t_run, **last_eval, **algo.comm.ledger.totals()})
+                               "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
+                               **algo.comm.ledger.totals()})
             if cfg.save_every and step % cfg.save_every == 0:
                 save(*position)
             stopped_by = stop.agreed(mpi_comm) if cfg.handle_signals else 0
@@ -230,7 +241,8 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     stop.uninstall()
     algo.close()
     summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
-               "wall_s": time.perf_counter() - t_run, **last_eval, **algo.comm.ledger.totals()}
+               "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
+               **algo.comm.ledger.totals()}
     metrics.write(summary)
     metrics.close()
     return summary
@@ -245,20 +257,31 @@ def _load_buffers(model: torch.nn.Module, saved: dict) -> None:
         buffers[name].copy_(value)
 
 
+def _account(window: dict, elapsed: float, blocked: float, slept: float, modelled: bool) -> None:
+    """Split one step's ``elapsed`` seconds into compute, comm and wait (see the module docstring)."""
+    comm = slept if modelled else blocked
+    window["step_s"] += elapsed
+    window["compute_s"] += elapsed - blocked
+    window["comm_s"] += comm
+    window["wait_s"] += blocked - comm
+    window["n"] += 1
+
+
 def _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall) -> None:
     """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
     n = max(window["n"], 1)
-    local = [window["loss"] / n, window["compute_s"] / n, window["step_s"] / n]
+    timings = ("compute_s", "comm_s", "wait_s", "step_s")
+    local = [window["loss"] / n] + [window[k] / n for k in timings]
     summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [counters.get(k, 0.0) for k in sorted(counters)]))]
     size = mpi_comm.Get_size()
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
-              "loss": summed[0] / size, "compute_s_per_step": summed[1] / size, "step_s_per_step": summed[2] / size,
+              "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
               **algo.comm.ledger.totals()}
-    for key, value in zip(sorted(counters), summed[3:]):
+    for key, value in zip(sorted(counters), summed[1 + len(timings):]):
         record[f"sum_{key}"] = value
     if "correct" in counters and "count" in counters:
         record["train_accuracy"] = record["sum_correct"] / max(record["sum_count"], 1)
     metrics.write(record)
     progress.update(window["n"], loss=f"{record['loss']:.3f}", MB_sent=f"{record['bytes_sent'] / 1e6:.1f}")
-    window.update(loss=0.0, compute_s=0.0, step_s=0.0, n=0)
+    window.update(loss=0.0, compute_s=0.0, comm_s=0.0, wait_s=0.0, step_s=0.0, n=0)
     counters.clear()
