@@ -14,7 +14,8 @@ Time per step is split three ways from the Communicator's clock: ``compute`` (ou
 calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
 communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
 ``train_s`` in eval events is rank 0's cumulative time inside training steps (no evaluation, logging
-or checkpoints): the x-axis of time-to-accuracy.
+or checkpoints): the x-axis of time-to-accuracy. The end event adds rank 0's clock totals
+(``net_blocked_s``, ``net_slept_s``, ``net_modelled_s``; see :class:`~mpicomm.net.NetClock`).
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     if rank == 0:
         metrics.write({"event": "start", "step": step, "resumed_from": resumed_from, "total_steps": total,
                        "ranks": size, "algorithm": algo.name,
-                       "net": str(algo.comm.net) if algo.comm.net else "", "config": dataclasses.asdict(algo.config),
+                       "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
+                       "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
                        "train_config": dataclasses.asdict(cfg), **(run_info or {})})
     stop = StopFlag(install=cfg.handle_signals)
     progress = _Progress(cfg.progress and rank == 0, total, step)
@@ -242,7 +244,7 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     algo.close()
     summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
                "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
-               **algo.comm.ledger.totals()}
+               **algo.comm.ledger.totals(), **{f"net_{k}": v for k, v in clock.totals().items()}}
     metrics.write(summary)
     metrics.close()
     return summary

@@ -1,0 +1,238 @@
+"""Shared pieces of the wall-clock benchmarks: launch an app as a real MPI job, read its metrics back.
+
+Each case is its own ``mpiexec`` job of ``apps/train_resnet.py`` or ``apps/train_bert.py`` with a
+``--net`` setting, so the numbers are those a user gets from the same command line. A finished case
+(its ``metrics.jsonl`` ends with an ``end`` event for the same command) is reused unless ``--fresh``
+is given, so an interrupted benchmark resumes where it stopped.
+
+Outputs (tables, JSON, PNG) go to ``docs/results/`` (committed: the README shows them); the raw runs to
+``bench/results/runs/`` (ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "docs", "results")
+RUNS = os.path.join(REPO, "bench", "results", "runs")
+SETTINGS = {"fast": "10gbit,1us", "gbit": "1gbit,100us", "slow": "100mbit,1ms"}
+
+__all__ = ["RESULTS", "RUNS", "SETTINGS", "AppRun", "bench_parser", "describe", "enter_loopback_namespace", "launch",
+           "machine", "markdown_table", "plot_series", "run_grid", "time_to_target", "write_json", "write_outputs"]
+
+
+def enter_loopback_namespace() -> None:
+    """Re-run this script inside a loopback-only network namespace when root (no MPI byte leaves the machine)."""
+    if os.environ.get("MPICOMM_NETNS") or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return
+    os.environ["MPICOMM_NETNS"] = "loopback"
+    script = 'ip link set lo up && exec "$0" "$@"'
+    os.execvp("unshare", ["unshare", "-n", "bash", "-c", script, sys.executable, *sys.argv])
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "omp_num_threads": 1}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+@dataclass
+class AppRun:
+    """One finished job: its command and the records of its ``metrics.jsonl``."""
+
+    label: str
+    command: list[str]
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def end(self) -> dict:
+        """The final summary record."""
+        return self.records[-1]
+
+    def evals(self, key: str) -> list[tuple[float, float, int]]:
+        """``(train_s, value of key, step)`` at every evaluation, in order."""
+        return [(r["train_s"], r[key], r["step"]) for r in self.records if r["event"] == "eval"]
+
+    def per_step(self, first: int = 0, last: int | None = None) -> dict[str, float]:
+        """Mean seconds per step of compute, comm, wait and the whole step over steps ``first+1 .. last``.
+
+        Each train record covers the steps since the previous one, so ``first``/``last`` should be
+        steps with a record (all of them with ``--log-every 1``).
+        """
+        out = {k: 0.0 for k in ("compute_s", "comm_s", "wait_s", "step_s")}
+        previous, counted = 0, 0
+        for r in self.records:
+            if r["event"] == "train":
+                if previous >= first and (last is None or r["step"] <= last):
+                    for k in out:
+                        out[k] += r[f"{k}_per_step"] * (r["step"] - previous)
+                    counted += r["step"] - previous
+                previous = r["step"]
+        return {k: v / max(counted, 1) for k, v in out.items()}
+
+    @property
+    def start(self) -> dict:
+        """The run's first record (configuration, parameter count, traffic before the first step)."""
+        return self.records[0]
+
+    def traffic_per_step(self, key: str = "bytes_sent", first: int = 0, last: int | None = None) -> float:
+        """Rank 0's Ledger ``key`` per training step over steps ``first+1 .. last`` (initial broadcast excluded).
+
+        ``first``/``last`` must be steps with a train record (``--log-every 1`` makes every step one).
+        """
+        at = {0: self.start.get("init_traffic", {}).get(key, 0)}
+        at.update({r["step"]: r[key] for r in self.records if r["event"] == "train"})
+        last = self.end["step"] if last is None else last
+        at.setdefault(last, self.end[key])
+        return (at[last] - at[first]) / max(last - first, 1)
+
+    def bits_per_parameter(self) -> float:
+        """Bits per parameter per step that rank 0 handed to MPI (the papers' measure)."""
+        return 8 * self.traffic_per_step("bytes_contributed") / self.start["parameters"]
+
+
+def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, fresh: bool = False,
+           timeout: float = 1800) -> AppRun:
+    """Run ``mpiexec -n ranks python apps/<app> args --out-dir run_dir`` (or reuse a finished identical run)."""
+    command = ["mpiexec", "-n", str(ranks), sys.executable, os.path.join("apps", app), *args,
+               "--out-dir", run_dir, "--no-progress"]
+    metrics, stamp = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "command.json")
+    if not fresh and os.path.exists(stamp) and os.path.exists(metrics):
+        with open(stamp) as f:
+            same = json.load(f) == command
+        records = _read(metrics)
+        if same and records and records[-1].get("event") == "end":
+            print(f"  reuse  {label:<28} {run_dir}", flush=True)
+            return AppRun(label, command, records)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label}: {' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    with open(stamp, "w") as f:
+        json.dump(command, f)
+    print(f"  ran    {label:<28} {time.perf_counter() - t0:6.1f} s", flush=True)
+    return AppRun(label, command, _read(metrics))
+
+
+def bench_parser(description: str, default_settings: str = ",".join(SETTINGS)) -> argparse.ArgumentParser:
+    """A parser with the options every wall-clock benchmark shares: ``--settings`` and ``--fresh``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--settings", default=default_settings, help="comma list of " + ",".join(SETTINGS))
+    parser.add_argument("--fresh", action="store_true", help="rerun cases that already finished")
+    return parser
+
+
+def run_grid(name: str, app: str, ranks: int, base: list[str], cases: list[tuple[str, list[str]]],
+             settings: str, *, fresh: bool) -> dict[tuple[str, str], AppRun]:
+    """Launch every (setting, case) in order; ``cases`` are ``(label, extra arguments)``.
+
+    Runs land in ``bench/results/runs/<name>/<setting>/<label>``; returns ``{(setting, label): AppRun}``.
+    """
+    chosen = settings.split(",")
+    unknown = [s for s in chosen if s not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; choose from {', '.join(SETTINGS)}")
+    enter_loopback_namespace()
+    results = {}
+    for setting in chosen:
+        print(f"{name}: setting {setting} ({SETTINGS[setting]})", flush=True)
+        for label, extra in cases:
+            run_dir = os.path.join(RUNS, name, setting, label.replace(" ", "_"))
+            results[(setting, label)] = launch(label, app, ranks, [*base, *extra, "--net", SETTINGS[setting]],
+                                               run_dir, fresh=fresh)
+    return results
+
+
+def write_outputs(name: str, title: str, table: str, payload: dict, panels: list[dict]) -> None:
+    """docs/results/<name>.md (title + table), .json (payload + machine), .png (the panels)."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(f"{title}\n\n{table}\n")
+    write_json(os.path.join(RESULTS, f"{name}.json"), {"title": title, "machine": machine(), **payload})
+    plot_series(os.path.join(RESULTS, f"{name}.png"), panels, title)
+    print(f"{table}\nwrote {RESULTS}/{name}.{{md,json,png}}")
+
+
+def describe(settings: str) -> str:
+    """``fast = 10gbit,1us, ...`` for the chosen settings."""
+    return ", ".join(f"{s} = {SETTINGS[s]}" for s in settings.split(","))
+
+
+def _read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def time_to_target(points: list[tuple[float, float, int]], target: float, *, lower_is_better: bool = False):
+    """The first ``train_s`` at which the evaluated value reaches ``target`` (None if never)."""
+    for seconds, value, _ in points:
+        if (value <= target) if lower_is_better else (value >= target):
+            return seconds
+    return None
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_series(path: str, panels: list[dict], title: str) -> None:
+    """Save side-by-side line plots; each panel: ``{"title", "xlabel", "ylabel", "series": {label: (x, y)}}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, (x, y) in panel["series"].items():
+            ax.plot(x, y, marker=".", label=label)
+        if panel.get("hline") is not None:
+            ax.axhline(panel["hline"], color="grey", linestyle=":", linewidth=1)
+        if panel.get("logx"):
+            ax.set_xscale("log")
+        ax.set_title(panel["title"], fontsize=10)
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel(panel["ylabel"])
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` as indented JSON (creating the folder)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
