@@ -15,6 +15,7 @@ No MPI import: the Communicator reports into a Ledger; algorithms and benchmarks
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = ["ANY", "Count", "Ledger"]
@@ -44,9 +45,21 @@ class Ledger:
         self.contributed: dict[str, Count] = defaultdict(Count)
         self.sent: dict[tuple[str, int], Count] = defaultdict(Count)
         self.received: dict[tuple[str, int], Count] = defaultdict(Count)
+        self._paused = 0
+
+    @contextmanager
+    def paused(self):
+        """Book nothing inside (monitoring traffic such as evaluation's averages)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def record(self, op: str, nbytes: int, sends: dict[int, int], recvs: dict[int, int]) -> None:
         """Book one call of ``op`` that handed ``nbytes`` to MPI, sent ``sends[peer]`` and received ``recvs[peer]``."""
+        if self._paused:
+            return
         self.contributed[op].add(nbytes)
         for peer, n in sends.items():
             self.sent[(op, peer)].add(n)
@@ -55,6 +68,8 @@ class Ledger:
 
     def record_uniform(self, op: str, nbytes: int, dests, sources) -> None:
         """Book one call that sent ``nbytes`` to each of ``dests`` and received as much from each of ``sources``."""
+        if self._paused:
+            return
         self.contributed[op].add(nbytes)
         for peer in dests:
             self.sent[(op, peer)].add(nbytes)

@@ -92,5 +92,6 @@ def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path)
         parts = r["compute_s_per_step"] + r["comm_s_per_step"] + r["wait_s_per_step"]
         assert parts == pytest.approx(r["step_s_per_step"], rel=1e-9)
     end = records[-1]
+    assert end["bytes_sent"] == train[-1]["bytes_sent"]  # the final evaluation's averaging is not booked
     # train_s is rank 0's own total; the per-step figures are averages over ranks.
     assert end["train_s"] == pytest.approx(sum(r["step_s_per_step"] for r in train), rel=0.1)

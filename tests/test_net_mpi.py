@@ -76,13 +76,17 @@ def test_nonblocking_transfer_hides_behind_compute(comm):
     run_all(comm, body)
 
 
-def test_paused_clock_models_nothing_and_plain_communicator_sleeps_nothing(comm):
+def test_paused_and_unmetered_calls_cost_nothing_and_plain_communicator_sleeps_nothing(comm):
     def body():
         n = comm.Get_size()
         slow = Communicator(comm, topo.ring(n), net="1mbit,100ms")
         with slow.clock.paused():
             elapsed, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
         assert modelled == 0.0 and elapsed < 1.0, (elapsed, modelled)
+        booked = slow.ledger.bytes_contributed()  # the paused clock above still booked its bytes
+        with slow.unmetered():  # monitoring traffic: neither modelled nor booked
+            elapsed, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
+        assert modelled == 0.0 and elapsed < 1.0 and slow.ledger.bytes_contributed() == booked == 400_000
         plain = Communicator(comm, topo.ring(n))
         elapsed, modelled = _timed(plain, lambda: plain.allreduce(torch.ones(100_000)))
         assert modelled == 0.0 and plain.clock.slept_s == 0.0 and plain.clock.blocked_s > 0.0

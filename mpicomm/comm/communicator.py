@@ -16,6 +16,7 @@ adds the alpha-beta model's cost of the operation on top of the real transfer (s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from mpi4py import MPI
@@ -94,6 +95,12 @@ class Communicator:
                 by_topology[topo] = comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
             self._graphs.append((topo, by_topology[topo]))
             self._neighbors.append((sources, dests))
+
+    @contextmanager
+    def unmetered(self):
+        """Calls inside are neither booked in the Ledger nor charged by the network model (monitoring)."""
+        with self.ledger.paused(), self.clock.paused():
+            yield
 
     # ------------------------------------------------------------------ topology helpers
     def topology(self, step: int = 0):

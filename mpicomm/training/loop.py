@@ -8,7 +8,8 @@ of the step, and every random generator is part of the checkpoint.
 
 Monitoring collectives (loss averages for the log, the stop-signal agreement) go through the raw
 communicator and are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation
-runs with the network clock paused, so a modelled network (``--net``) charges only training traffic.
+(which averages the models through the algorithm's communicator) runs unmetered: neither booked in the
+Ledger nor charged by a modelled network (``--net``).
 
 Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
 calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
@@ -219,7 +220,7 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
                 _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, time.perf_counter() - t_run)
             if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
                     or step == total:
-                with clock.paused():
+                with algo.comm.unmetered():
                     last_eval = _evaluate(task, algo, mpi_comm)
                 metrics.write({"event": "eval", "step": step, "epoch": epoch + (index + 1) / task.steps_per_epoch,
                                "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
