@@ -115,10 +115,13 @@ class AppRun:
 
 
 def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, fresh: bool = False,
-           timeout: float = 1800) -> AppRun:
-    """Run ``mpiexec -n ranks python apps/<app> args --out-dir run_dir`` (or reuse a finished identical run)."""
-    command = ["mpiexec", "-n", str(ranks), sys.executable, os.path.join("apps", app), *args,
-               "--out-dir", run_dir, "--no-progress"]
+           timeout: float = 1800, launcher: list[str] | None = None) -> AppRun:
+    """Run ``mpiexec -n ranks python apps/<app> args --out-dir run_dir`` (or reuse a finished identical run).
+
+    ``launcher`` replaces ``mpiexec -n ranks`` (e.g. ``scripts/netshape.sh mpirun --ranks 4 --net ... --``).
+    """
+    launcher = launcher if launcher is not None else ["mpiexec", "-n", str(ranks)]
+    command = [*launcher, sys.executable, os.path.join("apps", app), *args, "--out-dir", run_dir, "--no-progress"]
     metrics, stamp = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "command.json")
     if not fresh and os.path.exists(stamp) and os.path.exists(metrics):
         with open(stamp) as f:

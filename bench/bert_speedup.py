@@ -1,6 +1,6 @@
 """APMSqueeze vs AllReduce-Adam on the BERT app: end-to-end speed-up (warm-up included) per network setting.
 
-    python bench/bert_speedup.py [--settings fast,gbit,slow] [--steps 150] [--fresh]
+    python bench/bert_speedup.py [--settings fast,gbit,slow] [--steps 300] [--fresh]
 
 Every case is a real 4-rank ``mpiexec`` job of ``apps/train_bert.py`` (tiny preset: 2 layers, hidden
 64; 16 sequences of 64 tokens per rank per step; the embedded Python pydoc corpus; lr 1e-3 cosine)
@@ -35,8 +35,8 @@ WARMUP_FRACTION = 0.2  # APMSqueeze's default; stated here to find the phase bou
 def main() -> None:
     """Run both optimizers at every setting, then write the table, JSON and plot."""
     parser = bench_parser(__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--eval-every", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=30)
     args = parser.parse_args()
     results = run_grid("bert_speedup", "train_bert.py", RANKS,
                        [*BASE, "--max-steps", str(args.steps), "--eval-every", str(args.eval_every)],

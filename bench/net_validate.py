@@ -11,10 +11,14 @@ tiny packet, so this is the MPI-over-TCP latency of the veth path, ~10-20 us). T
 the other ranks spinning in MPI's busy-polling progress loop (as during a collective) is reported as
 "loaded alpha": with 4 ranks on fewer cores it includes scheduler time slices (30 us to over 1 ms).
 
+Then the same check end to end: ResNet-20 trained for a few steps with D-PSGD and AllReduce-SGD under
+real shaping, and again on shared memory with ``--net`` set to the same bandwidth and the measured
+alpha; the seconds per step of both are compared.
+
 Read the ratio measured / predicted. The shaper's rate counts wire bytes: a 1448-byte TCP payload
 travels as a 1514-byte frame, so a bandwidth-bound transfer takes at least ~1.046x the payload model.
 
-    python bench/net_validate.py            # both settings, about 2 minutes; enters `unshare -n` itself
+    python bench/net_validate.py [--no-apps]   # both settings, about 5 minutes; enters `unshare -n` itself
 
 Writes docs/results/net_validate.{md,json,png}.
 """
@@ -33,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.apprun import RESULTS, enter_loopback_namespace, markdown_table  # noqa: E402
+from bench.apprun import RESULTS, RUNS, enter_loopback_namespace, launch, machine, markdown_table  # noqa: E402
 
 NETSHAPE = os.path.join(ROOT, "scripts", "netshape.sh")
 SETTINGS = ("100mbit,0us", "1gbit,0us")
@@ -178,6 +182,39 @@ def _plot(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+APP = ["--model", "resnet20", "--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--max-steps", "24",
+       "--log-every", "1", "--eval-limit", "32"]
+APP_CASES = (("D-PSGD", "dpsgd"), ("AllReduce-SGD", "allreduce_sgd"))
+SKIP_STEPS = 4  # the first steps open TCP connections and warm caches: left out of the per-step means
+
+
+def validate_training(results: list[dict], ranks: int) -> list[dict]:
+    """Train ResNet-20 for a few steps under real shaping and under ``--net`` with the same bandwidth and
+    the measured alpha; return seconds per step of both (steps after the first ``SKIP_STEPS``)."""
+    from mpicomm.net import parse_net
+
+    rows = []
+    for res in results:
+        spec = parse_net(res["net"])
+        modelled_net = f"{spec.bits_per_s:.0f}bit,{res['alpha_s'] * 1e6:.1f}us"
+        for label, algorithm in APP_CASES:
+            where = os.path.join(RUNS, "net_validate", res["net"].replace(",", "_"), algorithm)
+            shaped = launch(f"{label} shaped", "train_resnet.py", ranks, [*APP, "--algorithm", algorithm],
+                            os.path.join(where, "shaped"), fresh=True,
+                            launcher=[NETSHAPE, "mpirun", "--ranks", str(ranks), "--net", res["net"], "--"])
+            modelled = launch(f"{label} modelled", "train_resnet.py", ranks,
+                              [*APP, "--algorithm", algorithm, "--net", modelled_net],
+                              os.path.join(where, "modelled"), fresh=True)
+            real, model = shaped.per_step(SKIP_STEPS), modelled.per_step(SKIP_STEPS)
+            rows.append({"net": res["net"], "case": label, "modelled_net": modelled_net,
+                         "shaped_step_s": real["step_s"], "modelled_step_s": model["step_s"],
+                         "shaped_compute_s": real["compute_s"], "modelled_compute_s": model["compute_s"],
+                         "shaped_comm_s": real["comm_s"] + real["wait_s"],
+                         "modelled_comm_s": model["comm_s"] + model["wait_s"],
+                         "ratio": real["step_s"] / model["step_s"]})
+    return rows
+
+
 def main() -> None:
     """Measure every setting under scripts/netshape.sh, print the table, write JSON and the plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,6 +225,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--json", default=os.path.join(RESULTS, "net_validate.json"))
     parser.add_argument("--png", default=os.path.join(RESULTS, "net_validate.png"))
+    parser.add_argument("--no-apps", action="store_true", help="skip the training runs (collectives only)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,9 +245,22 @@ def main() -> None:
           f"{r['predicted_s'] * 1e3:.1f}", f"{r['ratio']:.3f}"] for res in results for r in res["rows"]])
     title = f"alpha-beta model vs real shaping ({args.ranks} ranks, ring, tbf both directions, MPI over TCP)"
     print(f"\n## {title}\n\n{table}")
+    training = [] if args.no_apps else validate_training(results, args.ranks)
+    app_table = markdown_table(
+        ["net (shaped)", "case", "--net (modelled)", "shaped s/step", "modelled s/step", "shaped / modelled",
+         "compute s/step shaped / modelled", "comm+wait s/step shaped / modelled"],
+        [[r["net"], r["case"], r["modelled_net"], f"{r['shaped_step_s']:.3f}", f"{r['modelled_step_s']:.3f}",
+          f"{r['ratio']:.3f}", f"{r['shaped_compute_s']:.3f} / {r['modelled_compute_s']:.3f}",
+          f"{r['shaped_comm_s']:.3f} / {r['modelled_comm_s']:.3f}"] for r in training])
+    app_title = (f"ResNet-20 training steps ({args.ranks} ranks, {APP[APP.index('--max-steps') + 1]} steps, "
+                 f"first {SKIP_STEPS} left out): real shaping vs the model")
+    if training:
+        print(f"\n## {app_title}\n\n{app_table}")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "net_validate.md"), "w") as f:
         f.write(f"{title}\n\n{table}\n")
+        if training:
+            f.write(f"\n{app_title}\n\n{app_table}\n")
     print(f"\nwire overhead alone (1514-byte frames per 1448-byte payload): {WIRE_OVERHEAD:.3f}x; "
           f"{os.cpu_count()} CPU cores for {args.ranks} busy-polling ranks")
     for res in results:
@@ -218,7 +269,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"title": "alpha-beta model vs real shaping", "ranks": args.ranks, "topology": "ring",
-                   "repeat": args.repeat, "wire_overhead": WIRE_OVERHEAD, "settings": results}, f, indent=2)
+                   "repeat": args.repeat, "wire_overhead": WIRE_OVERHEAD, "settings": results,
+                   "training": training, "machine": machine()}, f, indent=2)
     print(f"wrote {args.json}")
     _plot(results, args.png)
     print(f"wrote {args.png}")
