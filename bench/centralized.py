@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, benchmark_epochs, report, run_case  # noqa: E402
+from bench.common import DigitsData, benchmark_options, report, run_case  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "centralized.json")
@@ -58,13 +58,13 @@ def _adam_cases(total_steps: int) -> list[tuple[str, str, dict]]:
     ]
 
 
-def _run(comm, cases, epochs: int, rows: list[dict], notes: list[str]) -> None:
+def _run(comm, cases, epochs: int, rows: list[dict], notes: list[str], net=None) -> None:
     for label, algorithm, options in cases:
         if algorithm not in ALGORITHMS:
             notes.append(f"skipped {label}: algorithm {algorithm!r} is not registered")
             continue
         try:
-            row = run_case(comm, label, algorithm, options, epochs=epochs, batch_size=BATCH)
+            row = run_case(comm, label, algorithm, options, epochs=epochs, batch_size=BATCH, net=net)
         except ValueError as exc:  # a config error is raised on every rank together (make_algorithm)
             notes.append(f"skipped {label}: {exc}")
             continue
@@ -106,7 +106,8 @@ def _targets(sgd: list[dict], adam: list[dict], phase: dict | None) -> list[str]
 
 
 def main() -> None:
-    epochs = benchmark_epochs(__doc__.splitlines()[0])
+    opts = benchmark_options(__doc__.splitlines()[0])
+    epochs = opts.epochs
     comm = MPI.COMM_WORLD
     steps = epochs * (len(DigitsData(comm.Get_rank(), comm.Get_size()).x) // BATCH)
     total_steps = comm.allreduce(steps, op=MPI.MIN)
@@ -115,8 +116,8 @@ def main() -> None:
     notes: list[str] = []
     sgd: list[dict] = []
     adam: list[dict] = []
-    _run(comm, SGD_CASES, epochs, sgd, notes)
-    _run(comm, _adam_cases(total_steps), epochs, adam, notes)
+    _run(comm, SGD_CASES, epochs, sgd, notes, opts.net)
+    _run(comm, _adam_cases(total_steps), epochs, adam, notes, opts.net)
     if comm.Get_rank() != 0:
         return
     n = comm.Get_size()

@@ -22,8 +22,9 @@ import torch
 from mpicomm import topology
 from mpicomm.algorithms import make_algorithm
 from mpicomm.comm import Communicator
+from mpicomm.net import parse_net
 
-__all__ = ["DigitsData", "benchmark_epochs", "make_mlp", "report", "run_case"]
+__all__ = ["DigitsData", "benchmark_options", "make_mlp", "report", "run_case"]
 
 
 class DigitsData:
@@ -52,16 +53,25 @@ class DigitsData:
             yield self.x[idx], self.y[idx]
 
 
-def benchmark_epochs(description: str, default: int = 20) -> int:
-    """Parse the convergence benchmarks' shared options: ``--epochs N`` or ``--quick`` (3 epochs)."""
+def benchmark_options(description: str, default: int = 20) -> argparse.Namespace:
+    """Parse the convergence benchmarks' shared options: ``--epochs N`` or ``--quick`` (3 epochs), ``--net``.
+
+    Returns ``epochs`` and ``net`` (a :class:`~mpicomm.net.NetSpec` or None) on the namespace.
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--epochs", type=int, default=default, help=f"training epochs per case (default {default})")
     parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
+    parser.add_argument("--net", default="", help="model a network under every case, e.g. 1gbit,100us (wall_seconds "
+                        "then include its cost; see docs/network.md)")
     args = parser.parse_args()
-    epochs = 3 if args.quick else args.epochs
-    if epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {epochs}")
-    return epochs
+    args.epochs = 3 if args.quick else args.epochs
+    if args.epochs < 1:
+        raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
+    try:
+        args.net = parse_net(args.net)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return args
 
 
 def make_mlp(seed: int = 0) -> torch.nn.Module:
@@ -83,11 +93,14 @@ def _evaluate(model: torch.nn.Module, flat_params: torch.Tensor, algo, data: Dig
 
 
 def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int, batch_size: int = 16,
-             topo: str = "ring", seed: int = 0) -> dict:
-    """Train the MLP with ``algorithm`` for ``epochs`` on every rank; return one result row (all ranks)."""
+             topo: str = "ring", seed: int = 0, net=None) -> dict:
+    """Train the MLP with ``algorithm`` for ``epochs`` on every rank; return one result row (all ranks).
+
+    ``net``: a network setting modelled under the run (``Communicator(net=...)``), or None.
+    """
     n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
     data = DigitsData(rank, n, seed)
-    comm = Communicator(mpi_comm, topology.build(topo, n))
+    comm = Communicator(mpi_comm, topology.build(topo, n), net=net)
     model = make_mlp(seed)
     algo = make_algorithm(algorithm, model, comm, seed=seed, **options)
     mpi_comm.Barrier()

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import benchmark_epochs, report, run_case  # noqa: E402
+from bench.common import benchmark_options, report, run_case  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decentralized.json")
@@ -45,14 +45,15 @@ CASES = [  # label, algorithm, options
 ]
 
 
-def _run(comm, epochs: int, notes: list[str]) -> list[dict]:
+def _run(comm, epochs: int, notes: list[str], net=None) -> list[dict]:
     rows = []
     for label, algorithm, options in CASES:
         if algorithm not in ALGORITHMS:
             notes.append(f"skipped {label}: algorithm {algorithm!r} is not registered")
             continue
         try:
-            rows.append(run_case(comm, label, algorithm, options, epochs=epochs, batch_size=BATCH, topo=TOPOLOGY))
+            rows.append(run_case(comm, label, algorithm, options, epochs=epochs, batch_size=BATCH, topo=TOPOLOGY,
+                                 net=net))
         except ValueError as exc:  # config errors are raised on every rank together (make_algorithm)
             notes.append(f"skipped {label}: {exc}")
     return rows
@@ -71,10 +72,11 @@ def _target(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    epochs = benchmark_epochs(__doc__.splitlines()[0])
+    opts = benchmark_options(__doc__.splitlines()[0])
+    epochs = opts.epochs
     comm = MPI.COMM_WORLD
     notes: list[str] = []
-    rows = _run(comm, epochs, notes)
+    rows = _run(comm, epochs, notes, opts.net)
     if comm.Get_rank() != 0:
         return
     n = comm.Get_size()

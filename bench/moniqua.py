@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, benchmark_epochs, make_mlp, report  # noqa: E402
+from bench.common import DigitsData, benchmark_options, make_mlp, report  # noqa: E402
 from mpicomm import topology  # noqa: E402
 from mpicomm.algorithms import make_algorithm  # noqa: E402
 from mpicomm.comm import Communicator  # noqa: E402
@@ -68,7 +68,7 @@ def run(mpi_comm, label: str, algorithm: str, options: dict, epochs: int) -> dic
 
 
 def main() -> None:
-    epochs = benchmark_epochs(__doc__.splitlines()[0])
+    epochs = benchmark_options(__doc__.splitlines()[0]).epochs
     comm = MPI.COMM_WORLD
     rows = []
     for label, algorithm, options in CASES:

@@ -2,7 +2,7 @@
 # Reproduce every table and plot of the README's Results section, in order (about an hour on 2 cores).
 #   bench/reproduce.sh                 # everything
 #   bench/reproduce.sh tta bert        # only some: comm codecs decentralized centralized moniqua
-#                                      #            netvalidate tta bert hsq scaling
+#                                      #            netvalidate tta bert hsq scaling moniqua-theta
 # As root with `unshare`, everything runs in a loopback-only network namespace (the shaped-network
 # validation builds its own namespaces inside it); elsewhere it runs on the normal network stack.
 # Wall-clock cases are cached in bench/results/runs/ (ignored by git); add --fresh to a bench script to
@@ -15,7 +15,7 @@ if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev
 fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
-all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling)
+all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling moniqua-theta)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -28,6 +28,7 @@ for name in "${chosen[@]}"; do
     bert) python bench/bert_speedup.py ;;
     hsq) python bench/hsq_wallclock.py ;;
     scaling) python bench/scaling.py ;;
+    moniqua-theta) python bench/moniqua_theta_scale.py ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
 done
