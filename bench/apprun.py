@@ -208,7 +208,10 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def plot_series(path: str, panels: list[dict], title: str) -> None:
-    """Save side-by-side line plots; each panel: ``{"title", "xlabel", "ylabel", "series": {label: (x, y)}}``."""
+    """Save side-by-side line plots; each panel: ``{"title", "xlabel", "ylabel", "series": {label: (x, y)}}``.
+
+    Optional panel keys: ``hline`` (a dotted reference line), ``logx``, ``legend`` (the last panel always has one).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,7 +229,8 @@ def plot_series(path: str, panels: list[dict], title: str) -> None:
         ax.set_xlabel(panel["xlabel"])
         ax.set_ylabel(panel["ylabel"])
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+        if panel.get("legend") or panel is panels[-1]:
+            ax.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -95,3 +95,48 @@ def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path)
     assert end["bytes_sent"] == train[-1]["bytes_sent"]  # the final evaluation's averaging is not booked
     # train_s is rank 0's own total; the per-step figures are averages over ranks.
     assert end["train_s"] == pytest.approx(sum(r["step_s_per_step"] for r in train), rel=0.1)
+
+
+def test_interrupted_modelled_run_stops_cleanly_and_leaves_nothing_behind(tmp_path):
+    """SIGTERM during a run whose every step sleeps ~1 s on a modelled 8 Mbit/s link: the ranks finish the
+    step, checkpoint and exit 143 within seconds; the model touches no namespace and no qdisc."""
+    import signal
+    import time
+
+    def host_network() -> tuple[str, str]:
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+        return netns, qdiscs
+
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs iproute2 (ip, tc) to check the host network is untouched")
+    before = host_network()
+    ranks, app, args = CASES["resnet-dpsgd-2"]
+    args = list(args)
+    args[args.index("--max-steps") + 1] = "40"  # far more than the run gets to do
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args,
+                             "--out-dir", str(tmp_path), "--net", "8mbit,10ms"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"event": "train"' in metrics.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no training step within 120 s"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert took < 15, f"took {took:.1f} s to stop"
+    records = read_metrics(str(metrics))
+    stopped = [r for r in records if r["event"] == "stopped"]
+    assert stopped and stopped[0]["step"] < 40
+    assert any(r["event"] == "checkpoint" for r in records)
+    assert host_network() == before
