@@ -15,8 +15,9 @@ No MPI import: the Communicator reports into a Ledger; algorithms and benchmarks
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
+
+from .pausable import Pausable
 
 __all__ = ["ANY", "Count", "Ledger"]
 
@@ -37,28 +38,21 @@ class Count:
         self.bytes += int(nbytes)
 
 
-class Ledger:
-    """Counts every byte one rank contributes, sends and receives, keyed by operation and peer."""
+class Ledger(Pausable):
+    """Counts every byte one rank contributes, sends and receives, keyed by operation and peer.
+
+    Inside ``with ledger.paused():`` nothing is booked (monitoring traffic such as evaluation's averages).
+    """
 
     def __init__(self, rank: int):
         self.rank = rank
         self.contributed: dict[str, Count] = defaultdict(Count)
         self.sent: dict[tuple[str, int], Count] = defaultdict(Count)
         self.received: dict[tuple[str, int], Count] = defaultdict(Count)
-        self._paused = 0
-
-    @contextmanager
-    def paused(self):
-        """Book nothing inside (monitoring traffic such as evaluation's averages)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
 
     def record(self, op: str, nbytes: int, sends: dict[int, int], recvs: dict[int, int]) -> None:
         """Book one call of ``op`` that handed ``nbytes`` to MPI, sent ``sends[peer]`` and received ``recvs[peer]``."""
-        if self._paused:
+        if self.is_paused:
             return
         self.contributed[op].add(nbytes)
         for peer, n in sends.items():
@@ -68,7 +62,7 @@ class Ledger:
 
     def record_uniform(self, op: str, nbytes: int, dests, sources) -> None:
         """Book one call that sent ``nbytes`` to each of ``dests`` and received as much from each of ``sources``."""
-        if self._paused:
+        if self.is_paused:
             return
         self.contributed[op].add(nbytes)
         for peer in dests:

@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
+from ..pausable import Pausable
 from .model import CostModel
 
 __all__ = ["NetClock"]
 
 
-class NetClock:
-    """Applies ``model`` (or nothing, when None) to communication calls and accumulates their timing."""
+class NetClock(Pausable):
+    """Applies ``model`` (or nothing, when None) to communication calls and accumulates their timing.
+
+    Inside ``with clock.paused():`` calls are neither modelled nor timed (monitoring traffic).
+    """
 
     def __init__(self, model: CostModel | None = None, *, now: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep):
         self.model = model
         self._now, self._sleep = now, sleep
         self._link_free = 0.0
-        self._paused = 0
         self.blocked_s = 0.0
         self.slept_s = 0.0
         self.modelled_s = 0.0
@@ -42,16 +44,7 @@ class NetClock:
     @property
     def active(self) -> bool:
         """Whether a model is applied right now (not paused)."""
-        return self.model is not None and not self._paused
-
-    @contextmanager
-    def paused(self):
-        """Neither model nor time the calls inside (monitoring traffic such as evaluation)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
+        return self.model is not None and not self.is_paused
 
     def _queue(self, cost: float, ready: float) -> float:
         """Book ``cost`` seconds on the link, starting no earlier than ``ready``; return the end time."""
@@ -68,7 +61,7 @@ class NetClock:
 
     def run(self, cost: Callable[[CostModel], float], call: Callable[[], object]):
         """A blocking operation: ``call()``, then wait out the modelled ``cost(model)`` on top."""
-        if self._paused:
+        if self.is_paused:
             return call()
         t0 = self._now()
         result = call()
@@ -85,7 +78,7 @@ class NetClock:
 
     def complete(self, deadline: float, wait: Callable[[], object]):
         """``wait()`` for a posted operation, then until its modelled transfer (``deadline``) is done."""
-        if self._paused:
+        if self.is_paused:
             return wait()
         t0 = self._now()
         result = wait()
