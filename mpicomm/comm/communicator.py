@@ -82,7 +82,7 @@ class Communicator:
         self.schedule = topology
         self.ledger = ledger if ledger is not None else Ledger(self.rank)
         self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
-        self.net = parse_net(net) if isinstance(net, str) or net is None else net
+        self.net = net if isinstance(net, NetSpec) else parse_net(net)
         self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
         self._recv: dict[tuple, torch.Tensor] = {}
         self._graphs: list = []
