@@ -109,6 +109,22 @@ class Ledger(Pausable):
             "bytes_received": self.bytes_received(),
         }
 
+    def state_dict(self) -> dict:
+        """Every count as plain data (``{op: [messages, bytes]}``, peers as ``op@peer``), for checkpoints."""
+        return {"contributed": {op: [c.messages, c.bytes] for op, c in self.contributed.items()},
+                "sent": {f"{op}@{peer}": [c.messages, c.bytes] for (op, peer), c in self.sent.items()},
+                "received": {f"{op}@{peer}": [c.messages, c.bytes] for (op, peer), c in self.received.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace every count by those of :meth:`state_dict` (a resumed run's totals go on from there)."""
+        self.reset()
+        for op, (messages, nbytes) in state["contributed"].items():
+            self.contributed[op] = Count(int(messages), int(nbytes))
+        for table, saved in ((self.sent, state["sent"]), (self.received, state["received"])):
+            for key, (messages, nbytes) in saved.items():
+                op, _, peer = key.rpartition("@")
+                table[(op, int(peer))] = Count(int(messages), int(nbytes))
+
     def reset(self) -> None:
         """Forget everything booked so far."""
         self.contributed.clear()

@@ -83,7 +83,7 @@ def test_allreduce_adam_state_round_trip_is_bit_exact(comm):
 @pytest.mark.parametrize("option, message", [
     ({"beta1": 1.0}, r"beta1 must be in \[0.0, 1.0\)"),
     ({"beta2": -0.1}, r"beta2 must be in \[0.0, 1.0\)"),
-    ({"eps": 0.0}, r"eps must be in \(0.0, inf\]"),
+    ({"eps": 0.0}, r"eps must be in \(0.0, inf\)"),
     ({"momentum": 0.9}, "momentum must be 0"),
 ])
 def test_bad_adam_config_fails_on_every_rank(comm, option, message):

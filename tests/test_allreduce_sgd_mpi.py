@@ -157,7 +157,7 @@ def test_allreduce_sgd_state_round_trip_is_bit_exact(comm, overlap):
 def test_allreduce_sgd_bad_config_fails_on_every_rank(comm):
     def body():
         c = communicator(comm)
-        with pytest.raises(ValueError, match=r"bucket_numel must be in \[1, inf\]"):
+        with pytest.raises(ValueError, match=r"bucket_numel must be in \[1, inf\)"):
             make_algorithm("allreduce_sgd", make_model(), c, bucket_numel=0)
         with pytest.raises(ValueError, match="overlap must be a bool"):
             make_algorithm("allreduce_sgd", make_model(), c, overlap="yes")

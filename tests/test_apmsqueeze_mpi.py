@@ -296,8 +296,8 @@ def test_switch_allocates_no_more_than_a_steady_compression_step(comm):
     ({"warmup_fraction": 1.0, "total_steps": 10}, r"warmup_fraction must be in \(0.0, 1.0\)"),
     ({"warmup_steps": 2, "beta1": 1.0}, r"beta1 must be in \[0.0, 1.0\)"),
     ({"warmup_steps": 2, "beta2": 1.5}, r"beta2 must be in \[0.0, 1.0\)"),
-    ({"warmup_steps": 2, "eps": 0.0}, r"eps must be in \(0.0, inf\]"),
-    ({"warmup_steps": 2, "eps": -1e-8}, r"eps must be in \(0.0, inf\]"),
+    ({"warmup_steps": 2, "eps": 0.0}, r"eps must be in \(0.0, inf\)"),
+    ({"warmup_steps": 2, "eps": -1e-8}, r"eps must be in \(0.0, inf\)"),
 ])
 def test_bad_config_fails_on_every_rank(comm, option, message):
     def body():

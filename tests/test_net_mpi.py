@@ -1,8 +1,10 @@
 """The network model applied by the real Communicator: each collective takes its formula's time on top
 of the real transfer, non-blocking transfers hide behind compute, and evaluation traffic is free.
 
-Runs at 1, 2 and 4 ranks. Tolerance: a call may take up to 60 ms longer than its modelled cost (the
-real transfer on shared memory plus scheduler noise with 4 ranks on 2 cores), never less.
+Runs at 1, 2 and 4 ranks. Wall time is only bounded from below (a call never returns before its
+modelled cost has passed) and, to catch a hang, from far above; everything finer is read from the
+clock's own books (what was modelled, what was slept), which do not depend on how busy the machine is.
+How close real time comes to the model is measured in ``bench/net_validate.py``, not asserted here.
 """
 
 import time
@@ -19,7 +21,7 @@ from .conftest import run_all
 pytestmark = pytest.mark.mpi
 
 NET = "80mbit,2ms"  # 10 MB/s: 40 KB costs 4 ms of bandwidth, so each call is short but clearly visible
-SLACK = 0.06
+HANG = 10.0  # seconds: far above any modelled cost here, only a hung call takes this long
 
 
 def _timed(c, fn):
@@ -49,11 +51,12 @@ def test_each_collective_costs_its_formula(comm):
             "iallreduce": (lambda: c.iallreduce(x.clone()).wait(), model.allreduce(40_000, n)),
         }
         for name, (call, expected) in cases.items():
+            slept0 = c.clock.slept_s
             elapsed, modelled = _timed(c, call)
             assert modelled == pytest.approx(expected, rel=1e-12, abs=1e-15), (name, modelled, expected)
-            assert expected - 1e-4 <= elapsed <= expected + SLACK, (name, elapsed, expected)
-        if n > 1:
-            assert c.clock.slept_s > 0.9 * c.clock.modelled_s
+            if not name.startswith("i"):  # a blocking call waits out exactly its cost (the link is free)
+                assert c.clock.slept_s - slept0 == pytest.approx(expected, rel=1e-9, abs=1e-12), (name, expected)
+            assert expected - 1e-4 <= elapsed <= expected + HANG, (name, elapsed, expected)
 
     run_all(comm, body)
 
@@ -66,11 +69,10 @@ def test_nonblocking_transfer_hides_behind_compute(comm):
         x = torch.ones(100_000)
         c.comm.Barrier()
         handle = c.iallreduce(x)
+        assert c.clock.modelled_s == pytest.approx(cost)  # queued when posted
         time.sleep(cost + 0.02)  # "compute" longer than the transfer
-        t0 = time.perf_counter()
         handle.wait()
-        waited = time.perf_counter() - t0
-        assert waited < SLACK, waited
+        assert c.clock.slept_s == 0.0  # the modelled transfer was over before wait(): nothing left to sleep
         assert torch.all(x == n)
 
     run_all(comm, body)
@@ -81,12 +83,13 @@ def test_paused_and_unmetered_calls_cost_nothing_and_plain_communicator_sleeps_n
         n = comm.Get_size()
         slow = Communicator(comm, topo.ring(n), net="1mbit,100ms")
         with slow.clock.paused():
-            elapsed, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
-        assert modelled == 0.0 and elapsed < 1.0, (elapsed, modelled)
+            _, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
+        assert modelled == 0.0 and slow.clock.slept_s == 0.0, modelled
         booked = slow.ledger.bytes_contributed()  # the paused clock above still booked its bytes
         with slow.unmetered():  # monitoring traffic: neither modelled nor booked
-            elapsed, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
-        assert modelled == 0.0 and elapsed < 1.0 and slow.ledger.bytes_contributed() == booked == 400_000
+            _, modelled = _timed(slow, lambda: slow.allreduce(torch.ones(100_000)))
+        assert modelled == 0.0 and slow.clock.slept_s == 0.0
+        assert slow.ledger.bytes_contributed() == booked == 400_000
         plain = Communicator(comm, topo.ring(n))
         elapsed, modelled = _timed(plain, lambda: plain.allreduce(torch.ones(100_000)))
         assert modelled == 0.0 and plain.clock.slept_s == 0.0 and plain.clock.blocked_s > 0.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,12 +30,12 @@ __all__ = ["Algorithm", "AlgorithmConfig", "check_range", "clone_optimizer_state
 
 
 def check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` lies in the stated interval."""
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number in the stated interval."""
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or \
           (hi is not None and (value >= hi if hi_open else value > hi))
-    if bad or value != value:  # NaN fails every comparison
-        left = ("(" if lo_open else "[") + ("-inf" if lo is None else str(lo))
-        right = ("inf" if hi is None else str(hi)) + (")" if hi_open else "]")
+    if bad or not math.isfinite(value):  # NaN fails every comparison; no option means anything at infinity
+        left = "(-inf" if lo is None else ("(" if lo_open else "[") + str(lo)
+        right = "inf)" if hi is None else str(hi) + (")" if hi_open else "]")
         raise ValueError(f"{name} must be in {left}, {right}, got {value!r}")
 
 

@@ -23,11 +23,14 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import datetime
+import errno
+import gc
 import importlib.metadata
 import os
 import platform
 import re
 import shutil
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..errors import mark_agreed
 from .tree import LIBVER, CheckpointError, read_tree, write_tree
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "run_meta", "save_checkpoint"]
@@ -77,19 +81,19 @@ def _error_class(error: BaseException) -> type:
 
 def _agree(raw, error: Exception | None, what: str, payload=None) -> list:
     """Collective: every rank raises if any rank failed (first failure's type and message); else all payloads."""
-    mine = None if error is None else (_error_class(error).__name__, f"{type(error).__name__}: {error}")
+    mine = None if error is None else (_error_class(error).__name__, type(error).__name__, str(error))
     gathered = raw.allgather((mine, payload))
     failed = [(rank, report) for rank, (report, _) in enumerate(gathered) if report is not None]
     if failed:
-        rank, (name, message) = failed[0]
+        rank, (name, kind, message) = failed[0]
         more = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        text = f"{what} failed on rank {rank}{more}: {message}"
+        text = f"{what} failed on rank {rank}{more}: {kind}: {message}"
         cls = CheckpointError if name == "CheckpointError" else getattr(builtins, name)
         try:
             exc = cls(text)
         except TypeError:  # a builtin needing more arguments (UnicodeEncodeError)
             exc = RuntimeError(text)
-        raise exc from error
+        raise mark_agreed(exc, message, [r for r, _ in failed], len(gathered)) from error
     return [p for _, p in gathered]
 
 
@@ -177,12 +181,64 @@ def _prepare(root: Path, final: Path, tmp: Path) -> str:
 
 
 def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
-    with h5py.File(path, "w", libver=LIBVER) as f:
-        write_tree(f.create_group(_rank_group(identity["rank"])), state)
-        for key, value in identity.items():
-            f.attrs[f"mpicomm_{key}"] = value
-        f.flush()
+    """Write and fsync one rank's file; a failed write raises one ``OSError`` naming ``path`` and the cause.
+
+    When the disk fills up, HDF5 reports the failed writes while h5py's objects are freed, as a stream of
+    "Exception ignored" tracebacks; they are collected here instead and turned into that one error.
+    """
+    caught: list[BaseException] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda report: caught.append(report.exc_value)
+    try:
+        try:
+            with h5py.File(path, "w", libver=LIBVER) as f:
+                write_tree(f.create_group(_rank_group(identity["rank"])), state)
+                for key, value in identity.items():
+                    f.attrs[f"mpicomm_{key}"] = value
+                f.flush()
+        finally:
+            gc.collect()  # free h5py's objects now, while their errors are still collected
+    except Exception as exc:
+        cause = _write_error(path, [exc, *caught])
+        if cause is exc:
+            raise
+        raise cause from exc
+    finally:
+        sys.unraisablehook = previous
+    if caught:
+        raise _write_error(path, caught)
     _fsync(path)
+
+
+def _write_error(path: Path, errors: list[BaseException]) -> BaseException:
+    """The OS error behind HDF5's reports of a failed write (``errno = N`` in their text), else the first error."""
+    for error in errors:
+        if isinstance(error, OSError) and error.errno:
+            return OSError(error.errno, os.strerror(error.errno), str(path))
+        found = re.search(r"errno = (\d+)", str(error))
+        if found and int(found.group(1)):
+            return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path))
+    return errors[0]
+
+
+def _state_nbytes(state) -> int:
+    """Bytes of the tensors and arrays in ``state`` (a nested dict/list): what its rank file will hold."""
+    if isinstance(state, dict):
+        return sum(_state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_nbytes(v) for v in state)
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    return int(getattr(state, "nbytes", 64))
+
+
+def _check_space(directory: Path, need: int) -> None:
+    """Refuse a save that cannot fit, before any byte is written (HDF5 adds a little beyond the raw data)."""
+    free = shutil.disk_usage(directory).free
+    want = int(need * 1.05) + (1 << 20)
+    if free < want:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the checkpoint needs about "
+                      f"{want / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free", str(directory))
 
 
 def _commit(root: Path, tmp: Path, final: Path, meta: dict, size: int, step: int, save_id: str) -> None:
@@ -238,16 +294,24 @@ def save_checkpoint(root, comm, state: dict, *, step: int, meta: dict | None = N
             save_id = _prepare(root, *_paths(root, step))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
-    save_id = _agree(raw, error, "save_checkpoint", save_id)[0]
+    gathered = _agree(raw, error, "save_checkpoint", (save_id, _state_nbytes(state)))
+    save_id = gathered[0][0]
     final, tmp = _paths(root, step)
 
     error = None
+    if rank == 0:
+        try:
+            _check_space(tmp, sum(n for _, n in gathered))
+        except OSError as exc:
+            error = exc
     try:
-        _write_rank_file(tmp / _rank_name(rank), state,
-                         {"rank": rank, "world_size": size, "step": step, "save_id": save_id})
-    except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = exc
-    try:
+        _agree(raw, error, f"save_checkpoint(step={step})")  # nothing is written if it cannot fit
+        error = None
+        try:
+            _write_rank_file(tmp / _rank_name(rank), state,
+                             {"rank": rank, "world_size": size, "step": step, "save_id": save_id})
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
         _agree(raw, error, f"save_checkpoint(step={step})")
     except Exception:
         if rank == 0:

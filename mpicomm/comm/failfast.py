@@ -19,6 +19,8 @@ import traceback
 
 from mpi4py import MPI
 
+from ..errors import mark_agreed
+
 __all__ = ["abort_on_exception", "raise_together"]
 
 
@@ -51,8 +53,13 @@ def abort_on_exception(comm=None, exit_code: int = 1):
 
 
 def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] = ValueError) -> None:
-    """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank."""
-    messages = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    for rank, message in enumerate(messages):
-        if message is not None:
-            raise exc_type(f"rank {rank}: {message}") from error
+    """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank.
+
+    The raised error is marked as agreed (:func:`mpicomm.errors.agreed_of`): an app prints it once.
+    """
+    messages = comm.allgather(None if error is None else (type(error).__name__, str(error)))
+    failed = [rank for rank, m in enumerate(messages) if m is not None]
+    if failed:
+        name, text = messages[failed[0]]
+        exc = exc_type(f"rank {failed[0]}: {name}: {text}")
+        raise mark_agreed(exc, text, failed, len(messages)) from error

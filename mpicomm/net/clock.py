@@ -53,11 +53,18 @@ class NetClock(Pausable):
         self.modelled_s += cost
         return self._link_free
 
-    def _sleep_until(self, deadline: float) -> None:
-        left = deadline - self._now()
+    def _sleep_until(self, deadline: float, now: float) -> None:
+        """Wait until ``deadline``; book ``deadline - now`` as slept (``now`` is when the wait began).
+
+        Booking from the same ``now`` the deadline was computed against makes ``slept_s`` of a blocking
+        call exactly its modelled cost, however late this process is scheduled.
+        """
+        left = deadline - now
         if left > 0:
-            self._sleep(left)
             self.slept_s += left
+            remaining = deadline - self._now()
+            if remaining > 0:
+                self._sleep(remaining)
 
     def run(self, cost: Callable[[CostModel], float], call: Callable[[], object]):
         """A blocking operation: ``call()``, then wait out the modelled ``cost(model)`` on top."""
@@ -66,7 +73,8 @@ class NetClock(Pausable):
         t0 = self._now()
         result = call()
         if self.model is not None:
-            self._sleep_until(self._queue(cost(self.model), self._now()))
+            now = self._now()
+            self._sleep_until(self._queue(cost(self.model), now), now)
         self.blocked_s += self._now() - t0
         return result
 
@@ -82,7 +90,7 @@ class NetClock(Pausable):
             return wait()
         t0 = self._now()
         result = wait()
-        self._sleep_until(deadline)
+        self._sleep_until(deadline, self._now())
         self.blocked_s += self._now() - t0
         return result
 
@@ -91,5 +99,10 @@ class NetClock(Pausable):
         return self._now() >= deadline
 
     def totals(self) -> dict[str, float]:
-        """The cumulative counters, for metrics."""
+        """The cumulative counters, for metrics (and checkpoints: :meth:`load_totals` continues them)."""
         return {"blocked_s": self.blocked_s, "slept_s": self.slept_s, "modelled_s": self.modelled_s}
+
+    def load_totals(self, totals: dict[str, float]) -> None:
+        """Set the cumulative counters to ``totals`` (a resumed run's)."""
+        self.blocked_s, self.slept_s, self.modelled_s = (float(totals[k]) for k in
+                                                         ("blocked_s", "slept_s", "modelled_s"))

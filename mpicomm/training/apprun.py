@@ -1,11 +1,19 @@
 """What every app's ``main`` does: parse, set up on every rank, train, report, exit with a clear status.
 
-Exit status: 0 on success; 2 for a usage or configuration error (the same one-line message on every
-rank, nothing trained); 1 (whole job aborted) for an unexpected exception on any rank. A run stopped by
-SIGUSR1/SIGTERM commits a checkpoint first; then, inside a SLURM job started with ``--requeue``
-semantics wanted (``MPICOMM_REQUEUE=1``, set by the templates), rank 0 asks ``scontrol requeue`` for
-this job and every rank exits 0, and the requeued job resumes from ``--resume latest``. Outside SLURM
-it exits 128 + the signal number, the shell convention for "ended by a signal".
+Exit status (the same on every rank):
+
+* 0: trained to the end, or stopped by SIGUSR1/SIGTERM inside a requeueing SLURM job (below);
+* 2: the input was refused before training: a bad argument or option value, unusable data, a
+  ``--resume`` checkpoint that is missing, damaged or from another world size/algorithm/model;
+* 3: training stopped because it cannot go on: the loss or parameters became non-finite, or a
+  checkpoint could not be written (disk full); the last good checkpoint is named;
+* 1: an unexpected exception on some rank: the whole job is aborted, with that rank's traceback;
+* 128 + N: stopped by signal N outside a requeueing job, after committing a checkpoint.
+
+Cases 2 and 3 are agreed by every rank, so rank 0 alone prints the one-line reason and no rank aborts.
+A run stopped by SIGUSR1/SIGTERM commits a checkpoint first; then, inside a SLURM job that asked for
+requeueing (``MPICOMM_REQUEUE=1``, set by the templates), rank 0 asks ``scontrol requeue`` for this job
+and every rank exits 0, and the requeued job resumes from ``--resume latest``.
 """
 
 from __future__ import annotations
@@ -15,44 +23,75 @@ import subprocess
 import sys
 
 from ..comm import abort_on_exception
+from ..errors import TrainingStopped, agreed_of
 from .arguments import parse_app_args, setup_run
+from .console import Console
 from .loop import run_training
 
-__all__ = ["run_app"]
+__all__ = ["EXIT_REFUSED", "EXIT_STOPPED", "run_app"]
+
+EXIT_REFUSED = 2
+EXIT_STOPPED = 3
 
 
-def _requeue(rank: int) -> bool:
+def _requeue(console: Console) -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     if not job or os.environ.get("MPICOMM_REQUEUE") != "1":
         return False
-    if rank == 0:
+    if console.rank == 0:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        print(f"requeue of job {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}", flush=True)
+        console.info(f"requeue of job {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}")
     return True
 
 
-def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] = ("", "")) -> int:
-    """Run one training app; ``build_task(args, rank, size)`` returns its Task (model included)."""
-    args = parse_app_args(parser, argv)
+def _refused(console: Console, exc: BaseException) -> int | None:
+    """Print an error every rank shares once and return its exit status; None for a rank's own error."""
+    mark = agreed_of(exc)
+    if mark is None:
+        return None
+    console.error(mark.describe())
+    return EXIT_STOPPED if isinstance(exc, TrainingStopped) else EXIT_REFUSED
+
+
+def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] = ("", ""),
+            preparing: str = "loading the data and building the model") -> int:
+    """Run one training app; ``build_task(args, rank, size)`` returns its Task (model included).
+
+    ``preparing`` says what the set-up does, printed before it starts (it can take a while).
+    """
+    console = Console(name)
+    with console.quiet_unless_rank0():
+        args = parse_app_args(parser, argv)
+    console.route_warnings()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    console.rank = rank
+    console.info(f"{size} rank(s): {preparing} …")
     try:
         task, algo, cfg = setup_run(args, world, lambda: build_task(args, rank, size))
     except (ValueError, TypeError) as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        code = _refused(console, exc)
+        if code is None:
+            raise
+        return code
+    console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
+                 f"{algo.comm.schedule.name} topology, {algo.flat.numel:,} parameters")
     with abort_on_exception(world):
-        summary = run_training(task, algo, cfg, run_info={"app": name, "argv": sys.argv[1:] if argv is None
-                                                           else list(argv)})
-    if rank == 0:
-        key, label = headline
-        mb = summary["bytes_sent"] / 1e6
-        if key and key in summary:
-            print(f"{label}: {100 * summary[key]:.2f} %  |  steps {summary['step']}/{summary['total_steps']}"
-                  f"  |  bytes sent by rank 0: {mb:.2f} MB  |  wall {summary['wall_s']:.1f} s", flush=True)
+        try:
+            summary = run_training(task, algo, cfg, console=console, run_info={
+                "app": name, "argv": sys.argv[1:] if argv is None else list(argv)})
+        except Exception as exc:
+            code = _refused(console, exc)
+            if code is None:
+                raise
+            return code
+    key, label = headline
+    if key and key in summary:
+        console.info(f"{label}: {100 * summary[key]:.2f} %  |  steps {summary['step']}/{summary['total_steps']}"
+                     f"  |  bytes sent by rank 0: {summary['bytes_sent'] / 1e6:.2f} MB"
+                     f"  |  wall {summary['wall_s']:.1f} s")
     if summary["stopped_by_signal"]:
-        return 0 if _requeue(rank) else 128 + summary["stopped_by_signal"]
+        return 0 if _requeue(console) else 128 + summary["stopped_by_signal"]
     return 0
-

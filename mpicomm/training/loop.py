@@ -31,10 +31,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..checkpoint.rng import capture_rng_state, restore_rng_state
+from ..checkpoint import save_checkpoint
+from ..checkpoint.rng import capture_rng_state
 from ..checkpoint.store import run_meta
+from ..errors import TrainingStopped, agreed_of, mark_agreed
+from .console import Console
+from .health import agree, local_problem
 from .metrics import MetricsWriter
+from .resume import Resumed, resolve_resume, restore_run
 from .schedule import LRSchedule
 from .stop import StopFlag
 
@@ -147,117 +151,205 @@ class _Progress:
             self.bar.close()
 
 
-def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None) -> dict:
+def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None,
+                 console: Console | None = None) -> dict:
     """Train ``task`` with ``algo`` as ``cfg`` says; return the final summary (same on every rank).
 
     Exit status for the caller: ``summary["stopped_by_signal"]`` is the signal number when the run was
-    interrupted (after a checkpoint was committed), else 0.
+    interrupted (after a checkpoint was committed), else 0. A run that cannot go on raises an error
+    every rank shares (:func:`mpicomm.errors.agreed_of`): an unusable ``--resume`` checkpoint
+    (``CheckpointError``), a divergence or a checkpoint that could not be written (``TrainingStopped``).
     """
-    mpi_comm = algo.comm.comm
-    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    total = cfg.total_steps(task.steps_per_epoch)
-    schedule = LRSchedule(cfg.lr, total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones, cfg.lr_gamma)
-    meta = run_meta(algo.comm, algo)
-    expect = {"topology": meta["topology"], "algorithm": {"name": algo.name},
-              "model_signature": meta["model_signature"]}
-    step, epoch, start = 0, 0, 0
-    resumed_from = ""
-    if cfg.resume:
-        path = latest_checkpoint(cfg.out_dir) if cfg.resume == "latest" else cfg.resume
-        if path is not None:
-            state, _ = load_checkpoint(path, algo.comm, expect=expect)
-            algo.load_state_dict(state["algorithm"])
-            _load_buffers(algo.model, state["buffers"])
-            restore_rng_state(state["rng"])
-            step, epoch, start = (int(state["position"][k]) for k in ("step", "epoch", "batch"))
-            resumed_from = str(path)
-    metrics_path = f"{cfg.out_dir}/metrics.jsonl" if cfg.out_dir else ""
-    metrics = MetricsWriter(metrics_path or None, enabled=rank == 0, append=bool(resumed_from))
-    if rank == 0:
-        metrics.write({"event": "start", "step": step, "resumed_from": resumed_from, "total_steps": total,
-                       "ranks": size, "algorithm": algo.name,
-                       "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
-                       "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
-                       "train_config": dataclasses.asdict(cfg), **(run_info or {})})
-    stop = StopFlag(install=cfg.handle_signals)
-    progress = _Progress(cfg.progress and rank == 0, total, step)
-    window = {"loss": 0.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "step_s": 0.0, "n": 0}
-    clock = algo.comm.clock
-    train_s = 0.0
-    counters: dict[str, float] = {}
-    stopped_by = 0
-    last_eval: dict[str, float] = {}
-    t_run = time.perf_counter()
+    console = console or Console("train", algo.comm.comm.Get_rank())
+    run = _Run(task, algo, cfg, console)
+    try:
+        run.begin(run_info or {})
+        return run.train()
+    except BaseException as exc:
+        mark = agreed_of(exc)
+        if mark is None:
+            raise  # a rank's own crash: the caller aborts the job (no collective clean-up could finish)
+        run.metrics.write({"event": "error", "step": run.step, "message": mark.describe()})
+        algo.close()
+        raise
+    finally:
+        run.close()
 
-    def save(position_epoch: int, position_batch: int) -> None:
-        if not cfg.out_dir:
+
+class _Run:
+    """One call of :func:`run_training`: position, counters, metrics, progress bar, signal handlers."""
+
+    def __init__(self, task: Task, algo, cfg: TrainConfig, console: Console):
+        self.task, self.algo, self.cfg, self.console = task, algo, cfg, console
+        self.mpi_comm = algo.comm.comm
+        self.rank, self.size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
+        self.total = cfg.total_steps(task.steps_per_epoch)
+        self.schedule = LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones,
+                                   cfg.lr_gamma)
+        self.meta = run_meta(algo.comm, algo)
+        self.step, self.epoch, self.start = 0, 0, 0
+        self.train_s, self.wall_offset = 0.0, 0.0
+        self.last_saved = ""
+        self.metrics = MetricsWriter(None, enabled=False)
+        self.progress = _Progress(False, 0, 0)
+        self.stop = StopFlag(install=False)
+        self.t_run = time.perf_counter()
+
+    def begin(self, run_info: dict) -> None:
+        """Collective: resume if asked, open the metrics file, install the signal handlers, start the clock."""
+        resumed = self._resume()
+        path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
+        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=resumed is not None)
+        self._write_start(resumed, run_info)
+        self.stop = StopFlag(install=self.cfg.handle_signals)
+        self.progress = _Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
+        self.t_run = time.perf_counter() - self.wall_offset
+
+    def _resume(self) -> Resumed | None:
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        path = resolve_resume(cfg.resume, cfg.out_dir)
+        if path is None:
+            self.console.info(f"--resume latest: no checkpoint in {cfg.out_dir} yet, starting from step 0")
+            return None
+        expect = {"topology": self.meta["topology"], "algorithm": {"name": self.algo.name}}
+        resumed = restore_run(path, self.algo, expect, self.meta["model_signature"])
+        self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
+        counters = resumed.counters
+        if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
+            self.train_s, self.wall_offset = float(counters["train_s"]), float(counters["wall_s"])
+            self.algo.comm.ledger.load_state_dict(counters["ledger"])
+            self.algo.comm.clock.load_totals(counters["clock"])
+        self.last_saved = str(resumed.path)
+        self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}")
+        return resumed
+
+    def _write_start(self, resumed: Resumed | None, run_info: dict) -> None:
+        algo = self.algo
+        if resumed:
+            self.metrics.write({"event": "resume", "step": self.step, "path": str(resumed.path),
+                                "wall_s": self.wall_offset, "train_s": self.train_s, **algo.comm.ledger.totals()})
+        self.metrics.write({"event": "start", "step": self.step, "resumed_from": str(resumed.path) if resumed else "",
+                            "total_steps": self.total, "ranks": self.size, "algorithm": algo.name,
+                            "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
+                            "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
+                            "train_config": dataclasses.asdict(self.cfg), **run_info})
+
+    def wall(self) -> float:
+        """Seconds since the run began, earlier runs it resumed from included (not the time between them)."""
+        return time.perf_counter() - self.t_run
+
+    def save(self, position: tuple[int, int]) -> None:
+        """Collective: commit a checkpoint of every rank at this step (a failure stops the run, agreed)."""
+        if not self.cfg.out_dir:
             return
+        algo = self.algo
+        counters = {"wall_s": self.wall(), "train_s": self.train_s, "ledger": algo.comm.ledger.state_dict(),
+                    "clock": algo.comm.clock.totals()}
         state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(),
                  "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()},
-                 "position": {"step": step, "epoch": position_epoch, "batch": position_batch}}
-        path = save_checkpoint(cfg.out_dir, algo.comm, state, step=step, meta=meta, keep_last=cfg.keep_last)
-        metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
+                 "position": {"step": self.step, "epoch": position[0], "batch": position[1]},
+                 "counters": counters}
+        try:
+            path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
+                                   keep_last=self.cfg.keep_last)
+        except Exception as exc:
+            mark = agreed_of(exc)
+            if mark is None:
+                raise
+            raise self._stopped(f"could not write the checkpoint of step {self.step} in {self.cfg.out_dir}: "
+                                f"{mark.describe()}") from exc
+        self.last_saved = str(path)
+        self.metrics.write({"event": "checkpoint", "step": self.step, "path": str(path)})
+        self.console.info(f"checkpoint of step {self.step} saved: {path}")
 
-    while step < total and not stopped_by:
-        for index, batch in enumerate(task.train_batches(epoch, start), start=start):
-            algo.set_lr(schedule(step))
-            blocked, slept = clock.blocked_s, clock.slept_s
-            t0 = time.perf_counter()
-            algo.zero_grad()
-            loss, counts = task.loss(algo.model, batch)
-            loss.backward()
-            algo.step()
-            elapsed = time.perf_counter() - t0
-            step += 1
-            train_s += elapsed
-            _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
-            window["loss"] += float(loss.detach())
-            for k, v in counts.items():
-                counters[k] = counters.get(k, 0.0) + float(v)
-            finished_epoch = index + 1 == task.steps_per_epoch
-            position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
-            if step % cfg.log_every == 0 or step == total:
-                _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, time.perf_counter() - t_run)
-            if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
-                    or step == total:
-                with algo.comm.unmetered():
-                    last_eval = _evaluate(task, algo, mpi_comm)
-                metrics.write({"event": "eval", "step": step, "epoch": epoch + (index + 1) / task.steps_per_epoch,
-                               "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
-                               **algo.comm.ledger.totals()})
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(*position)
-            stopped_by = stop.agreed(mpi_comm) if cfg.handle_signals else 0
-            if step == cfg.stop_at_step and step < total:
-                stopped_by = stopped_by or int(signal.SIGUSR1)
-            if stopped_by:
-                if not (cfg.save_every and step % cfg.save_every == 0):
-                    save(*position)
-                metrics.write({"event": "stopped", "step": step, "signal": stopped_by})
-                break
-            if step == total:
-                break
-        epoch, start = (epoch + 1, 0) if not stopped_by else (epoch, start)
-    if step == total and not stopped_by and cfg.save_every and step % cfg.save_every:
-        save(epoch, 0)
-    progress.close()
-    stop.uninstall()
-    algo.close()
-    summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
-               "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
-               **algo.comm.ledger.totals(), **{f"net_{k}": v for k, v in clock.totals().items()}}
-    metrics.write(summary)
-    metrics.close()
-    return summary
+    def _stopped(self, why: str) -> TrainingStopped:
+        """The agreed error that ends a run which cannot go on, naming the last good checkpoint."""
+        last = (f"the last checkpoint is {self.last_saved} (--resume {self.last_saved})" if self.last_saved
+                else "no checkpoint was written")
+        exc = TrainingStopped(f"{why}; {last}")
+        return mark_agreed(exc, str(exc), range(self.size), self.size)
 
+    def train(self) -> dict:
+        """The loop itself; returns the end summary."""
+        algo, cfg, task, total = self.algo, self.cfg, self.task, self.total
+        window = {"loss": 0.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "step_s": 0.0, "n": 0}
+        clock = algo.comm.clock
+        counters: dict[str, float] = {}
+        stopped_by = 0
+        last_eval: dict[str, float] = {}
+        epoch, start = self.epoch, self.start
+        while self.step < total and not stopped_by:
+            for index, batch in enumerate(task.train_batches(epoch, start), start=start):
+                algo.set_lr(self.schedule(self.step))
+                blocked, slept = clock.blocked_s, clock.slept_s
+                t0 = time.perf_counter()
+                algo.zero_grad()
+                loss, counts = task.loss(algo.model, batch)
+                loss.backward()
+                algo.step()
+                elapsed = time.perf_counter() - t0
+                self.step += 1
+                step = self.step
+                self.train_s += elapsed
+                _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
+                loss_value = float(loss.detach())
+                finished_epoch = index + 1 == task.steps_per_epoch
+                position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
+                logging = step % cfg.log_every == 0 or step == total
+                saving = bool(cfg.save_every and step % cfg.save_every == 0)
+                signum = self.stop.signum if cfg.handle_signals else None
+                checked = algo.flat.data if logging or saving or signum or step == cfg.stop_at_step else None
+                verdict = agree(self.mpi_comm, signum, local_problem(loss_value, checked))
+                if verdict.problem:
+                    self.metrics.write({"event": "diverged", "step": step, "rank": verdict.rank,
+                                        "problem": verdict.problem})
+                    raise self._stopped(f"training diverged at step {step}: on rank {verdict.rank} the "
+                                        f"{verdict.problem} (lr {algo.lr:g}); nothing was saved after it")
+                window["loss"] += loss_value
+                for k, v in counts.items():
+                    counters[k] = counters.get(k, 0.0) + float(v)
+                if logging:
+                    _log(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
+                         self.wall())
+                if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
+                        or step == total:
+                    with algo.comm.unmetered():
+                        last_eval = _evaluate(task, algo, self.mpi_comm)
+                    self.metrics.write({"event": "eval", "step": step,
+                                        "epoch": epoch + (index + 1) / task.steps_per_epoch,
+                                        "wall_s": self.wall(), "train_s": self.train_s, **last_eval,
+                                        **algo.comm.ledger.totals()})
+                if saving:
+                    self.save(position)
+                stopped_by = verdict.signal
+                if step == cfg.stop_at_step and step < total:
+                    stopped_by = stopped_by or int(signal.SIGUSR1)
+                if stopped_by:
+                    if not saving:
+                        self.save(position)
+                    self.metrics.write({"event": "stopped", "step": step, "signal": stopped_by})
+                    where = f", checkpoint at {self.last_saved}" if cfg.out_dir else " (no --out-dir: nothing saved)"
+                    self.console.info(f"stopped by {signal.Signals(stopped_by).name} at step {step}{where}")
+                    break
+                if step == total:
+                    break
+            epoch, start = (epoch + 1, 0) if not stopped_by else (epoch, start)
+        if self.step == total and not stopped_by and cfg.save_every and self.step % cfg.save_every:
+            self.save((epoch, 0))
+        algo.close()
+        summary = {"event": "end", "step": self.step, "total_steps": total, "stopped_by_signal": stopped_by,
+                   "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
+                   **{f"net_{k}": v for k, v in clock.totals().items()}}
+        self.metrics.write(summary)
+        return summary
 
-def _load_buffers(model: torch.nn.Module, saved: dict) -> None:
-    """Copy checkpointed buffers (BatchNorm running statistics) into ``model``."""
-    buffers = dict(model.named_buffers())
-    if set(buffers) != set(saved):
-        raise ValueError(f"checkpoint buffers {sorted(saved)} do not match the model's {sorted(buffers)}")
-    for name, value in saved.items():
-        buffers[name].copy_(value)
+    def close(self) -> None:
+        """Local clean-up, whatever happened: the bar, the signal handlers, the metrics file."""
+        self.progress.close()
+        self.stop.uninstall()
+        self.metrics.close()
 
 
 def _account(window: dict, elapsed: float, blocked: float, slept: float, modelled: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 __all__ = ["MetricsWriter", "read_metrics"]
@@ -19,9 +20,9 @@ class MetricsWriter:
             self._file = open(self.path, "a" if append else "w")
 
     def write(self, record: dict) -> None:
-        """Write one record."""
+        """Write one record (a non-finite number becomes ``null``: the file stays valid JSON)."""
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.write(json.dumps(_finite(record), sort_keys=True, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -29,6 +30,17 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _finite(value):
+    """``value`` with every NaN or infinite float (nested in dicts and lists) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -1,8 +1,9 @@
 """Graceful stop on the signals a scheduler sends before a time limit or on preemption.
 
 SLURM sends ``SIGTERM`` on preemption/cancel and, with ``--signal=USR1@N``, ``SIGUSR1`` N seconds before
-the time limit. The handler only sets a flag; the training loop checks it after each step and all ranks
-agree (one tiny allreduce), so every rank finishes the same step, commits a checkpoint and exits together.
+the time limit. The handler only sets a flag; after each step the training loop has every rank agree on
+it (see :mod:`mpicomm.training.health`), so every rank finishes the same step, commits a checkpoint and
+exits together.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ __all__ = ["StopFlag"]
 
 
 class StopFlag:
-    """Set by SIGUSR1/SIGTERM (or by hand); ``agreed(comm)`` is True on every rank once any rank saw one."""
+    """Set by SIGUSR1/SIGTERM (or by hand): ``signum`` is the signal this rank received, or None."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
@@ -26,10 +27,6 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         self.signum = signum
-
-    def agreed(self, mpi_comm) -> int:
-        """Collective: the signal number any rank received (0 if none)."""
-        return max(mpi_comm.allgather(self.signum or 0))
 
     def uninstall(self) -> None:
         """Restore the previous handlers."""

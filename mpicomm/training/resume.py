@@ -1,0 +1,125 @@
+"""Resuming a run: which checkpoint ``--resume`` means, what it restores, and one clear error if it can't.
+
+``--resume latest`` continues from the newest checkpoint in ``--out-dir`` and starts fresh (saying so)
+when there is none yet, so a job script can always pass it (the SLURM templates do). ``--resume PATH``
+takes a checkpoint directory, its ``checkpoint.h5``, a run directory, or a ``step-N`` name inside
+``--out-dir``; that one must exist.
+
+A checkpoint that cannot be used — missing, truncated or corrupted files, another world size,
+algorithm, topology or model — is refused with one error that every rank raises alike (the app prints
+it once and exits 2). For a damaged checkpoint it names the newest earlier one that loads intact.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from ..checkpoint.rng import restore_rng_state
+from ..checkpoint.tree import CheckpointError
+from ..errors import agreed_of, mark_agreed
+
+__all__ = ["Resumed", "resolve_resume", "restore_run"]
+
+_PARAMETER = re.compile(r"\('((?:[^'\\]|\\.)*)', torch\.Size\(\[([0-9, ]*)\]\)\)")
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run continues: the checkpoint, the data position and the run's counters."""
+
+    path: Path
+    step: int
+    epoch: int
+    batch: int
+    counters: dict = field(default_factory=dict)
+
+
+def resolve_resume(resume: str, out_dir: str) -> Path | None:
+    """The checkpoint ``--resume`` names (None: ``latest`` with none saved yet); raises for a missing PATH."""
+    if resume == "latest":
+        return latest_checkpoint(out_dir)
+    path = Path(resume)
+    if not path.exists() and out_dir and (Path(out_dir) / resume).exists():
+        path = Path(out_dir) / resume
+    return path
+
+
+def restore_run(path: Path, algo, expect: dict, signature: str) -> Resumed:
+    """Collective: load ``path`` into ``algo`` (and the model's buffers, every RNG); the position to go on from.
+
+    ``expect`` is checked against the checkpoint's meta; ``signature`` (the model's) is compared
+    separately so a mismatch names the first parameter that differs.
+    """
+    try:
+        state, meta = load_checkpoint(path, algo.comm, expect=expect)
+    except Exception as exc:
+        mark = agreed_of(exc)
+        if mark is None:
+            raise
+        raise _refusal(path, mark.describe(), algo, expect, damaged=isinstance(exc, CheckpointError)) from exc
+    problem = _signature_mismatch(str(meta.get("model_signature", "")), signature)
+    if problem:
+        raise _refusal(path, problem, algo, expect, damaged=False)
+    algo.load_state_dict(state["algorithm"])
+    _load_buffers(algo.model, state["buffers"])
+    restore_rng_state(state["rng"])
+    position = state["position"]
+    return Resumed(Path(path), *(int(position[k]) for k in ("step", "epoch", "batch")),
+                   counters=state.get("counters", {}))
+
+
+def _refusal(path: Path, why: str, algo, expect: dict, damaged: bool) -> CheckpointError:
+    """The agreed error for an unusable checkpoint, naming an intact earlier one when ``path`` is damaged."""
+    hint = ""
+    if damaged:
+        intact = _newest_intact_before(Path(path), algo, expect)
+        hint = (f"; the earlier checkpoint {intact.name} is intact: --resume {intact}" if intact else
+                "; no earlier checkpoint is intact")
+    exc = CheckpointError(f"cannot resume from {path}: {why}{hint}")
+    size = algo.comm.size
+    return mark_agreed(exc, str(exc), range(size), size)
+
+
+def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
+    """Collective: the newest checkpoint older than ``path`` in its run directory that loads cleanly."""
+    directory = path.parent if path.is_file() else path
+    root = directory.parent if directory.name.startswith("step-") else directory
+    older = [p for p in list_checkpoints(root) if p.resolve() != directory.resolve()]
+    if directory.name.startswith("step-"):
+        older = [p for p in older if p.name < directory.name]
+    for candidate in reversed(older[-3:]):
+        try:
+            load_checkpoint(candidate, algo.comm, expect=expect)
+            return candidate
+        except Exception as exc:
+            if agreed_of(exc) is None:
+                raise
+    return None
+
+
+def _signature_mismatch(stored: str, current: str) -> str:
+    """How the checkpoint's model differs from this one: the first parameter that differs, or ``""``."""
+    if stored == current:
+        return ""
+    have, want = _PARAMETER.findall(stored), _PARAMETER.findall(current)
+    for index, (a, b) in enumerate(zip(have, want)):
+        if a != b:
+            return (f"its model differs at parameter {index}: the checkpoint has {a[0]} of shape ({a[1]}), "
+                    f"this job's model has {b[0]} of shape ({b[1]})")
+    if len(have) != len(want):
+        return f"its model has {len(have)} parameter tensors, this job's model has {len(want)}"
+    return "its model differs from this job's"
+
+
+def _load_buffers(model: torch.nn.Module, saved: dict) -> None:
+    """Copy checkpointed buffers (BatchNorm running statistics) into ``model``."""
+    buffers = dict(model.named_buffers())
+    if set(buffers) != set(saved):
+        raise ValueError(f"checkpoint buffers {sorted(saved)} do not match the model's {sorted(buffers)}")
+    for name, value in saved.items():
+        buffers[name].copy_(value)
