@@ -17,6 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mpicomm.training.console import announce_start  # noqa: E402  (light: before the slow imports)
+
+announce_start("train_bert", "importing torch and transformers")
+
 from bert.task import build_task as build_bert_task  # noqa: E402
 
 from mpicomm.training.apprun import run_app  # noqa: E402
@@ -47,6 +51,7 @@ def build_task(args, rank: int, size: int):
 def main(argv=None) -> int:
     """Parse, set up on every rank, train, and print the final summary on rank 0."""
     return run_app("train_bert", build_parser(), build_task, argv,
+                   preparing="reading the corpus, training the tokenizer and building BERT",
                    headline=("val_mlm_accuracy", "final masked-token accuracy of the averaged model"))
 
 

@@ -17,6 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mpicomm.training.console import announce_start  # noqa: E402  (light: before the slow imports)
+
+announce_start("train_resnet", "importing torch")
+
 from data.image_task import ImageTask  # noqa: E402
 from data.images import load_cifar10, load_digits32  # noqa: E402
 from models.resnet import MODELS, build_model  # noqa: E402

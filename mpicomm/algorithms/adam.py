@@ -33,9 +33,10 @@ __all__ = ["AdamConfig", "AllReduceAdam"]
 
 @dataclass(frozen=True)
 class AdamConfig(AlgorithmConfig):
-    """Adam options: ``lr`` (default 1e-3), ``beta1``, ``beta2`` in [0, 1), ``eps`` > 0, decoupled ``weight_decay``.
+    """Adam options (``lr`` defaults to 1e-3; ``weight_decay`` is decoupled, as in AdamW).
 
-    ``momentum`` (from the base config) must stay 0: Adam's momentum is ``beta1``.
+    beta1: first-moment decay in [0, 1), Adam's momentum (so ``momentum`` must stay 0). beta2: second-moment
+    decay in [0, 1). eps: added to the square root of the second moment, > 0.
     """
 
     lr: float = 1e-3

@@ -90,7 +90,10 @@ ASYNC_HEADER_BYTES = HEADER_BYTES + 8  # fingerprint (int64), then the sender's 
 
 @dataclass(frozen=True)
 class ADPSGDConfig(AlgorithmConfig):
-    """AD-PSGD options: gamma in (0, 1] scales the pair average (1: x_i <- (x_i + x_j) / 2)."""
+    """AD-PSGD options.
+
+    gamma: in (0, 1], scales the pair average (1: x_i <- (x_i + x_j) / 2).
+    """
 
     gamma: float = 1.0
 

@@ -55,10 +55,11 @@ def _check_count(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class APMSqueezeConfig(AdamConfig):
-    """Adam options plus the warm-up: ``warmup_steps``, or ``warmup_fraction`` (default 0.2) of ``total_steps``.
+    """Adam options plus the warm-up, which must leave at least one compression step.
 
-    Give ``warmup_steps`` or ``total_steps`` (or both); the warm-up must leave at least one
-    compression step when ``total_steps`` is known.
+    warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
+    a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
+    (the apps fill it in).
     """
 
     warmup_steps: int | None = None

@@ -53,9 +53,10 @@ def clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
 class AlgorithmConfig:
     """Options every algorithm has. Subclasses add their own fields (all with defaults).
 
-    lr: step size alpha. momentum/weight_decay: of the local torch.optim step where the algorithm
-    uses one. seed: for every random choice the algorithm makes (codec rounding, peer choice).
-    broadcast_init: start every rank from rank 0's parameters (turn off only if they already agree).
+    lr: step size alpha. momentum: heavy-ball momentum of the local torch.optim step, where the
+    algorithm takes one. weight_decay: L2 weight decay of that step. seed: for every random choice the
+    algorithm makes (codec rounding, peer choice). broadcast_init: start every rank from rank 0's
+    parameters (turn off only if they already agree).
     """
 
     lr: float = 0.1

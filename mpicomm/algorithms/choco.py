@@ -40,7 +40,10 @@ __all__ = ["CHOCO", "ChocoConfig", "choco_consensus"]
 
 @dataclass(frozen=True)
 class ChocoConfig(CodecConfig, OrderConfig):
-    """CHOCO options: codec/codec_options (see :mod:`.replicas`), gamma in (0, 1], order ("atc"/"cta")."""
+    """CHOCO options (codec, codec_options and order as below).
+
+    gamma: consensus step size in (0, 1].
+    """
 
     gamma: float = 0.5
 

@@ -41,7 +41,11 @@ __all__ = ["CPDSGDM", "CPDSGDMConfig", "PDSGDM", "PDSGDMConfig"]
 
 @dataclass(frozen=True)
 class PDSGDMConfig(OrderConfig):
-    """PD-SGDM options: period p >= 1, momentum mu in [0, 1), average_momentum, order."""
+    """PD-SGDM options (momentum mu in [0, 1) defaults to 0.9).
+
+    period: local steps between two gossip rounds, p >= 1. average_momentum: gossip the momentum buffers
+    too.
+    """
 
     momentum: float = 0.9
     period: int = 4
@@ -87,7 +91,10 @@ class PDSGDM(PeriodicGossip):
 
 @dataclass(frozen=True)
 class CPDSGDMConfig(ChocoConfig):
-    """CPD-SGDM options: CHOCO's (codec, codec_options, gamma, order) plus period p >= 1; momentum 0.9."""
+    """CPD-SGDM options: CHOCO's (codec, codec_options, gamma, order); momentum defaults to 0.9.
+
+    period: local steps between two compressed gossip rounds, p >= 1.
+    """
 
     momentum: float = 0.9
     period: int = 4

@@ -19,7 +19,7 @@ import warnings
 
 from ..errors import one_line
 
-__all__ = ["Console", "launcher_rank"]
+__all__ = ["Console", "announce_start", "launcher_rank"]
 
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
 
@@ -91,3 +91,9 @@ class Console:
         """Write on this rank whatever its number (a warning each rank reports for itself)."""
         sys.stderr.write(f"{self.app}: {one_line(text)}\n")
         sys.stderr.flush()
+
+
+def announce_start(app: str, doing: str) -> None:
+    """Rank 0's first line, before the slow imports and set-up (not for ``--help``)."""
+    if not {"-h", "--help"} & set(sys.argv[1:]):
+        Console(app).info(f"starting: {doing} …")

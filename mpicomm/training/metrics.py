@@ -6,7 +6,7 @@ import json
 import math
 import os
 
-__all__ = ["MetricsWriter", "read_metrics"]
+__all__ = ["MetricsWriter", "continued", "read_metrics"]
 
 
 class MetricsWriter:
@@ -47,3 +47,17 @@ def read_metrics(path: str) -> list[dict]:
     """All records of a metrics file, in order."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def continued(records: list[dict]) -> list[dict]:
+    """The records of a run as it went on: what a ``resume`` event superseded is dropped.
+
+    A run killed after its checkpoint at step N logged steps past N that the resumed run repeats; the
+    resume event (step N) drops the earlier records of steps beyond N, so curves go forward only.
+    """
+    out: list[dict] = []
+    for record in records:
+        if record.get("event") == "resume":
+            out = [r for r in out if r.get("step", 0) <= record["step"] or r.get("event") == "start"]
+        out.append(record)
+    return out

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from ..algorithms import ALGORITHMS
 
-__all__ = ["add_algorithm_options", "config_kwargs", "key_values", "number_or_word"]
+__all__ = ["add_algorithm_options", "config_kwargs", "field_help", "key_values", "number_or_word"]
 
 
 def number_or_word(text: str):
@@ -54,24 +55,52 @@ def _converter(field: dataclasses.Field):
     return type(default)
 
 
+def _plain(text: str) -> str:
+    """Docstring text without Sphinx markup (``:func:`~a.b`` -> ``b``, double backticks -> nothing)."""
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
+    return " ".join(text.replace("``", "").split())
+
+
+def field_help(config_class) -> dict[str, str]:
+    """Each field's description, read from the config classes' docstrings (``name: text`` or ``a/b: text``).
+
+    The docstrings are the single place options are described; this keeps ``--help`` from drifting.
+    """
+    names = {f.name for f in dataclasses.fields(config_class)}
+    out: dict[str, str] = {}
+    for cls in reversed(config_class.__mro__):
+        doc = _plain(getattr(cls, "__doc__", "") or "")
+        labels = [m for m in re.finditer(r"(?<![\w/])([A-Za-z_]\w*(?:/[A-Za-z_]\w*)*):\s", doc)
+                  if set(m.group(1).split("/")) <= names]
+        for label, following in zip(labels, labels[1:] + [None]):
+            text = doc[label.end():following.start() if following else len(doc)].strip().rstrip(".;,")
+            for field_name in label.group(1).split("/"):
+                out[field_name] = text
+    return out
+
+
 def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     """Add the options of algorithm ``name``'s config (``--lr``, ``--bits``, …) to ``parser``."""
     if name not in ALGORITHMS:
         parser.error(f"--algorithm: unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
     cls = ALGORITHMS[name]
-    group = parser.add_argument_group(f"{name} options", (cls.config_class.__doc__ or "").strip().splitlines()[0])
+    described = field_help(cls.config_class)
+    first_line = _plain((cls.__doc__ or cls.config_class.__doc__ or name).strip().splitlines()[0])
+    group = parser.add_argument_group(f"{name} options", first_line)
     for field in dataclasses.fields(cls.config_class):
         flag = "--" + field.name.replace("_", "-")
         default = _default(field)
         if default is dataclasses.MISSING:
             continue
+        text = described.get(field.name, "")
+        if isinstance(default, dict):
+            text = f"{text} (KEY=VALUE,...)".strip()
         if isinstance(default, bool):
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=" ")
+                               help=text.replace("%", "%%") or " ")
         else:
-            hint = "KEY=VALUE,..." if isinstance(default, dict) else " "
             group.add_argument(flag, dest=field.name, type=_converter(field), default=default,
-                               metavar=field.name.upper(), help=hint)
+                               metavar=field.name.upper(), help=text.replace("%", "%%") or " ")
 
 
 def config_kwargs(args: argparse.Namespace, name: str) -> dict:

@@ -1,14 +1,17 @@
 """``mpicomm plot``: curves from one or several metrics files, so runs of different algorithms compare at a glance.
 
 Three panels from the evaluation records: the metric against epoch, against wall-clock seconds and
-against megabytes sent by rank 0. One line per file, labelled by the file's parent folder (or ``--labels``).
+against megabytes sent by rank 0. One line per file, labelled by the file's parent folder (or ``--labels``);
+a resumed run is one line (see :func:`~mpicomm.training.metrics.continued`).
 """
 
 from __future__ import annotations
 
 import os
 
-from .metrics import read_metrics
+from .metrics import continued, read_metrics
+
+_AXES = {"step", "epoch", "wall_s", "train_s", "bytes_sent", "bytes_received", "bytes_contributed"}
 
 __all__ = ["plot_runs"]
 
@@ -26,9 +29,12 @@ def plot_runs(paths: list[str], output: str, metric: str = "test_accuracy", labe
     for i, path in enumerate(paths):
         if not os.path.isfile(path):
             raise ValueError(f"metrics file {path!r} does not exist")
-        evals = [r for r in read_metrics(path) if r.get("event") == "eval" and metric in r]
+        every = [r for r in continued(read_metrics(path)) if r.get("event") == "eval"]
+        evals = [r for r in every if metric in r]
         if not evals:
-            raise ValueError(f"{path}: no evaluation records with {metric!r}")
+            found = sorted({k for r in every for k, v in r.items() if isinstance(v, (int, float))} - _AXES)
+            raise ValueError(f"{path}: no evaluation records with {metric!r}; "
+                             f"--metric can be one of {', '.join(found) or '(none: no evaluation ran)'}")
         label = labels[i] if labels else os.path.basename(os.path.dirname(os.path.abspath(path)))
         y = [r[metric] for r in evals]
         for ax, key, scale in ((axes[0], "epoch", 1), (axes[1], "wall_s", 1), (axes[2], "bytes_sent", 1e-6)):

@@ -12,7 +12,7 @@ it once and exits 2). For a damaged checkpoint it names the newest earlier one t
 
 from __future__ import annotations
 
-import re
+import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +24,6 @@ from ..checkpoint.tree import CheckpointError
 from ..errors import agreed_of, mark_agreed
 
 __all__ = ["Resumed", "resolve_resume", "restore_run"]
-
-_PARAMETER = re.compile(r"\('((?:[^'\\]|\\.)*)', torch\.Size\(\[([0-9, ]*)\]\)\)")
-
 
 @dataclass
 class Resumed:
@@ -61,7 +58,8 @@ def restore_run(path: Path, algo, expect: dict, signature: str) -> Resumed:
         mark = agreed_of(exc)
         if mark is None:
             raise
-        raise _refusal(path, mark.describe(), algo, expect, damaged=isinstance(exc, CheckpointError)) from exc
+        damaged = isinstance(exc, CheckpointError) and Path(path).exists()
+        raise _refusal(path, mark.message, algo, expect, damaged) from exc
     problem = _signature_mismatch(str(meta.get("model_signature", "")), signature)
     if problem:
         raise _refusal(path, problem, algo, expect, damaged=False)
@@ -103,17 +101,21 @@ def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
 
 
 def _signature_mismatch(stored: str, current: str) -> str:
-    """How the checkpoint's model differs from this one: the first parameter that differs, or ``""``."""
+    """How the checkpoint's model differs from this one: the first parameter that differs, or ``""``.
+
+    Signatures are ``repr((numel, ((name, shape), ...)))`` (:meth:`mpicomm.flat.FlatParameters.signature`).
+    """
     if stored == current:
         return ""
-    have, want = _PARAMETER.findall(stored), _PARAMETER.findall(current)
+    try:
+        have, want = ast.literal_eval(stored)[1], ast.literal_eval(current)[1]
+    except (ValueError, SyntaxError, TypeError, IndexError):
+        return "its model differs from this job's"
     for index, (a, b) in enumerate(zip(have, want)):
-        if a != b:
-            return (f"its model differs at parameter {index}: the checkpoint has {a[0]} of shape ({a[1]}), "
-                    f"this job's model has {b[0]} of shape ({b[1]})")
-    if len(have) != len(want):
-        return f"its model has {len(have)} parameter tensors, this job's model has {len(want)}"
-    return "its model differs from this job's"
+        if tuple(a) != tuple(b):
+            return (f"its model differs at parameter {index}: the checkpoint has {a[0]} of shape {tuple(a[1])}, "
+                    f"this job's model has {b[0]} of shape {tuple(b[1])}")
+    return f"its model has {len(have)} parameter tensors, this job's model has {len(want)}"
 
 
 def _load_buffers(model: torch.nn.Module, saved: dict) -> None:
