@@ -1,4 +1,13 @@
-"""Setuptools shim: all metadata lives in setup.cfg."""
-from setuptools import setup
+"""Setuptools shim: metadata lives in setup.cfg; here only what setup.cfg cannot say.
 
-setup()
+The sbatch templates live in the checkout's top-level ``slurm/`` (where a cluster user looks for them)
+and are installed as the package data ``mpicomm/slurm/templates/*.sbatch``, so ``mpicomm slurm render
+generic`` works from a non-editable install too.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    packages=find_packages(include=["mpicomm", "mpicomm.*"]) + ["mpicomm.slurm.templates"],
+    package_dir={"mpicomm.slurm.templates": "slurm"},
+    package_data={"mpicomm.slurm.templates": ["*.sbatch"]},
+)

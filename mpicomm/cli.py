@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
+
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpicomm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mpicomm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="one neighbour exchange per codec on a ring of all ranks")
     demo.add_argument("--numel", type=int, default=100_000, help="elements per rank (default 100000)")

@@ -60,6 +60,28 @@ def test_task_batches_are_deterministic_and_resumable(tmp_path):
     assert not torch.equal(full[0][0], next(task.train_batches(epoch=3))[0])
 
 
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_shape"])
+def test_cifar_reader_names_a_damaged_file(tmp_path, damage):
+    _write_cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:5000])
+    elif damage == "garbage":
+        path.write_bytes(b"<html>not a pickle</html>")
+    else:
+        with open(path, "wb") as f:
+            pickle.dump({b"data": np.zeros((4, 100), np.uint8), b"labels": [0, 1, 2, 3]}, f)
+    expected = "expected N x 3072" if damage == "wrong_shape" else "truncated or corrupt"
+    with pytest.raises(ValueError, match=f"CIFAR-10 file {path}.*{expected}"):
+        load_cifar10(str(tmp_path))
+
+
+@pytest.mark.parametrize("alpha", [-1.0, float("inf"), float("nan")])
+def test_a_negative_or_infinite_dirichlet_alpha_is_refused(alpha):
+    with pytest.raises(ValueError, match="--dirichlet-alpha must be 0"):
+        shard_indices(torch.zeros(10, dtype=torch.long), 0, 2, seed=0, dirichlet_alpha=alpha)
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_shards_partition_the_training_set(alpha):
     labels = torch.from_numpy(np.random.default_rng(1).integers(0, 10, size=500))

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+import mpicomm
 from mpicomm.slurm import parse_template, render
 from mpicomm.slurm.commands import preset_text, repo_slurm_dir
 from mpicomm.slurm.presets import PRESETS
 
 GENERIC = open(os.path.join(repo_slurm_dir(), "generic.sbatch")).read()
+REPO = os.path.dirname(repo_slurm_dir())
 
 
 def test_render_sets_headers_parameters_and_adds_options():
@@ -33,16 +35,62 @@ def test_rendered_template_is_valid_bash():
     ("FOO", "1", "unknown key"),
     ("nodes", "0", "positive integer"),
     ("ntasks-per-node", "two", "positive integer"),
-    ("time", "soon", "D-HH:MM:SS"),
+    ("time", "soon", "HH:MM:SS"),
+    ("time", "25:99:00", "minutes and seconds below 60"),
+    ("time", "1-24:00:00", "hours below 24"),
+    ("APP", "apps/nope.py", r"no such Python script.*apps/train_resnet.py"),
+    ("LAUNCHER", "torque", "auto, srun or mpiexec"),
     ("ALGORITHM", "sgd9000", "unknown algorithm"),
     ("TOPOLOGY", "moebius", "unknown topology"),
     ("EPOCHS", "-1", "non-negative integer"),
     ("MPI_PMI", "pmi9", "pmi2"),
-    ("EXTRA_ARGS", 'a"b', "double quotes"),
+    ("EXTRA_ARGS", "a\nb", "newlines"),
 ])
 def test_bad_values_are_refused(key, value, message):
     with pytest.raises(ValueError, match=message):
         render(GENERIC, {key: value})
+
+
+@pytest.mark.parametrize("time", ["90", "30:00", "12:00:00", "100:00:00", "2-00", "2-12:30", "2-00:00:00"])
+def test_slurm_time_formats_are_accepted(time):
+    assert parse_template(render(GENERIC, {"time": time})).value("time") == time
+
+
+def test_launcher_is_a_parameter_like_the_others():
+    assert parse_template(render(GENERIC, {"LAUNCHER": "srun"})).value("LAUNCHER") == "srun"
+
+
+@pytest.mark.parametrize("value", ["$(touch {marker})", "`touch {marker}`", "${{X:-$(touch {marker})}}",
+                                   'say "hi" \\ }} $HOME'])
+def test_parameter_values_are_quoted_never_evaluated(tmp_path, value):
+    """The job's shell sees exactly the text given: no command substitution, expansion or broken quoting."""
+    marker = tmp_path / "ran"
+    value = value.format(marker=marker)
+    text = render(GENERIC, {"EXTRA_ARGS": value})
+    assert parse_template(text).value("EXTRA_ARGS") == value
+    assignment = next(line for line in text.splitlines() if line.startswith(': "${EXTRA_ARGS:='))
+    shown = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "$EXTRA_ARGS"'], capture_output=True, text=True,
+                           env={"PATH": os.environ["PATH"]})
+    assert shown.returncode == 0 and shown.stdout == value, shown
+    assert not marker.exists()
+
+
+def test_templates_ship_inside_a_non_editable_install(tmp_path):
+    """``pip install .`` (not -e) carries the templates: render works from anywhere, and --version answers."""
+    target = tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                            "--target", str(target), REPO], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert sorted(p.name for p in (target / "mpicomm" / "slurm" / "templates").glob("*.sbatch")) == \
+        sorted(f for f in os.listdir(repo_slurm_dir()) if f.endswith(".sbatch"))
+    env = dict(os.environ, PYTHONPATH=str(target))
+    rendered = subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", "generic", "--set", "nodes=3"],
+                              capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert rendered.returncode == 0, rendered.stderr
+    assert "#SBATCH --nodes=3" in rendered.stdout
+    version = subprocess.run([sys.executable, "-m", "mpicomm", "--version"], capture_output=True, text=True,
+                             cwd=tmp_path, env=env)
+    assert version.stdout.strip() == f"mpicomm {mpicomm.__version__}"
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -15,6 +15,7 @@ batch index), so a resumed run sees exactly the batches an uninterrupted one wou
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 
@@ -42,8 +43,20 @@ class ImageData:
 
 
 def _unpickle(path: str) -> dict:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+    """One batch file of the archive, checked: rows of 3072 bytes (10,000 in the real one), labels in 0..9."""
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data, labels = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+    except Exception as exc:  # noqa: BLE001 - any failure to read it means the same thing to the user
+        raise ValueError(f"--data-dir: the CIFAR-10 file {path} is truncated or corrupt ({type(exc).__name__}: "
+                         f"{exc}); download and unpack cifar-10-python.tar.gz again") from exc
+    images = data.shape[0] if data.ndim == 2 else -1
+    if images < 1 or data.shape[1] != 3072 or data.dtype != np.uint8 or labels.shape != (images,) \
+            or labels.min() < 0 or labels.max() > 9:
+        raise ValueError(f"--data-dir: the CIFAR-10 file {path} holds data of shape {data.shape} ({data.dtype}) and "
+                         f"labels of shape {labels.shape}; expected N x 3072 uint8 images with N labels in 0..9")
+    return batch
 
 
 def load_cifar10(data_dir: str) -> ImageData:
@@ -88,7 +101,9 @@ def load_digits32(seed: int = 0) -> ImageData:
 def shard_indices(labels: torch.Tensor, rank: int, size: int, seed: int, dirichlet_alpha: float = 0.0) -> torch.Tensor:
     """This rank's training indices: IID round-robin of a seeded permutation, or a Dirichlet(alpha) label split."""
     rng = np.random.default_rng(seed)
-    if dirichlet_alpha <= 0:
+    if not (dirichlet_alpha >= 0 and math.isfinite(dirichlet_alpha)):
+        raise ValueError(f"--dirichlet-alpha must be 0 (IID shards) or a finite number > 0, got {dirichlet_alpha}")
+    if dirichlet_alpha == 0:
         return torch.from_numpy(rng.permutation(len(labels))[rank::size].copy())
     y = labels.numpy()
     shards: list[list[int]] = [[] for _ in range(size)]

@@ -16,7 +16,8 @@ from .presets import PRESETS
 from .template import render
 
 __all__ = [
-    "find_template", "main_render", "main_regenerate", "main_submit", "parse_sets", "preset_text", "repo_slurm_dir",
+    "find_template", "installed_templates_dir", "main_render", "main_regenerate", "main_submit", "parse_sets",
+    "preset_text", "repo_slurm_dir",
 ]
 
 
@@ -25,17 +26,23 @@ def repo_slurm_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "slurm")
 
 
+def installed_templates_dir() -> str:
+    """Where a (non-editable) install keeps the templates: the package data ``mpicomm/slurm/templates``."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+
+
 def find_template(name: str) -> str:
-    """Resolve a template path or name; ``ValueError`` listing what exists if not found."""
+    """Resolve a template path or name (``./slurm/``, the checkout's, the installed copies); else ``ValueError``."""
+    folders = ("slurm", repo_slurm_dir(), installed_templates_dir())
     candidates = [name]
-    for folder in ("slurm", repo_slurm_dir()):
+    for folder in folders:
         candidates += [os.path.join(folder, name), os.path.join(folder, name + ".sbatch")]
     for path in candidates:
         if os.path.isfile(path):
             return path
-    known = sorted(f[:-7] for f in os.listdir(repo_slurm_dir()) if f.endswith(".sbatch")) \
-        if os.path.isdir(repo_slurm_dir()) else []
-    raise ValueError(f"template {name!r} not found (as a path or in slurm/); known templates: {known}")
+    known = sorted({f[:-7] for folder in folders if os.path.isdir(folder)
+                    for f in os.listdir(folder) if f.endswith(".sbatch")})
+    raise ValueError(f"template {name!r} not found (as a path, in slurm/ or installed); known templates: {known}")
 
 
 def parse_sets(items: list[str]) -> dict[str, str]:

@@ -8,7 +8,9 @@ A template has two kinds of settings, both overridable with ``--set KEY=VALUE``:
   ``sbatch --export=ALL,KEY=VALUE`` can still override at submission time.
 
 Values are validated before anything reaches the scheduler (``ValueError`` naming the key and what is
-allowed): unknown keys, non-positive counts, malformed time limits, unknown algorithms or topologies.
+allowed): unknown keys, non-positive counts, malformed time limits, unknown algorithms, topologies or
+apps. A parameter's value is quoted, never evaluated: ``$(…)``, backticks, ``$VAR`` and quotes reach the
+job as the literal text given (use ``sbatch --export`` for values the job's shell should expand).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["SBATCH_OPTIONS", "Template", "parse_template", "render"]
+__all__ = ["SBATCH_OPTIONS", "Template", "parse_template", "quote", "render", "unquote"]
 
 _HEADER = re.compile(r"^#SBATCH\s+--([a-z-]+)(?:=(.*))?$")
-_PARAM = re.compile(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"$')
-_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
+_PARAM = re.compile(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"(\s+#.*)?$')
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _POSITIVE = ("nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus-per-task", "gpus-per-node", "gpus")
 
 SBATCH_OPTIONS = frozenset(_POSITIVE + (
@@ -39,10 +41,14 @@ class Template:
     params: dict[str, int]
 
     def value(self, key: str) -> str | None:
-        """The current value of header option or parameter ``key`` (None for a flag without value)."""
+        """The current value of header option or parameter ``key`` (None for a flag without value).
+
+        A parameter's value is returned as written in the template (a default may use ``${…}``);
+        a value set by :func:`render` reads back as the literal text it was given.
+        """
         if key in self.headers:
             return _HEADER.match(self.lines[self.headers[key]]).group(2)
-        return _PARAM.match(self.lines[self.params[key]]).group(2)
+        return unquote(_PARAM.match(self.lines[self.params[key]]).group(2))
 
     def keys(self) -> list[str]:
         """Every settable key present in the template."""
@@ -63,13 +69,39 @@ def parse_template(text: str) -> Template:
     return Template(lines, headers, params)
 
 
+def quote(value: str) -> str:
+    """``value`` escaped for a ``: "${KEY:=value}"`` line: the shell keeps it literal, never runs any of it."""
+    return re.sub(r'([\\$`"}])', r"\\\1", value)
+
+
+def unquote(text: str) -> str:
+    """The literal value of :func:`quote`'s output."""
+    return re.sub(r"\\(.)", r"\1", text)
+
+
+def _valid_time(value: str) -> bool:
+    """Slurm's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (minutes, seconds < 60; hours < 24 after days)."""
+    m = _TIME.match(value)
+    if m is None:
+        return False
+    days, first, second, third = m.groups()
+    if days is None:
+        fields = [int(v) for v in (first, second, third) if v is not None]
+        return all(v < 60 for v in fields[1:])  # M, M:S or H:M:S: minutes and seconds below 60
+    hours, rest = int(first), [int(v) for v in (second, third) if v is not None]
+    return hours < 24 and all(v < 60 for v in rest)
+
+
 def _validate(key: str, value: str) -> None:
-    if "\n" in value or '"' in value or "`" in value or "}" in value:
-        raise ValueError(f"--set {key}: values may not contain newlines, double quotes, backticks or '}}'")
+    if "\n" in value or "\0" in value:
+        raise ValueError(f"--set {key}: values may not contain newlines or NUL")
     if key in _POSITIVE and not (value.isdigit() and int(value) > 0):
         raise ValueError(f"--set {key}={value}: expected a positive integer")
-    if key == "time" and not _TIME.match(value):
-        raise ValueError(f"--set time={value}: expected minutes, MM:SS, HH:MM:SS or D-HH:MM:SS")
+    if key == "time" and not _valid_time(value):
+        raise ValueError(f"--set time={value}: expected minutes, MM:SS, HH:MM:SS, D-HH or D-HH:MM[:SS] "
+                         "(minutes and seconds below 60, hours below 24 after a day count)")
+    if key == "APP":
+        _validate_app(value)
     if key in ("EPOCHS", "SAVE_EVERY") and not value.isdigit():
         raise ValueError(f"--set {key}={value}: expected a non-negative integer")
     if key == "ALGORITHM":
@@ -102,9 +134,22 @@ def render(text: str, sets: dict[str, str]) -> str:
         if key in template.headers:
             lines[template.headers[key]] = f"#SBATCH --{key}={value}"
         elif key in template.params:
-            lines[template.params[key]] = f': "${{{key}:={value}}}"'
+            lines[template.params[key]] = f': "${{{key}:={quote(value)}}}"'
         else:
             added.append(f"#SBATCH --{key}={value}")
     last_header = max(template.headers.values())
     lines[last_header + 1:last_header + 1] = added
     return "\n".join(lines) + "\n"
+
+
+def _validate_app(value: str) -> None:
+    """APP must name an existing Python script: absolute, or relative to this directory or the checkout."""
+    import os
+
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    roots = [os.getcwd(), checkout]
+    if value.endswith(".py") and any(os.path.isfile(os.path.join(root, value)) for root in roots):
+        return
+    apps = sorted({f"apps/{f}" for root in roots if os.path.isdir(os.path.join(root, "apps"))
+                   for f in os.listdir(os.path.join(root, "apps")) if f.endswith(".py")})
+    raise ValueError(f"--set APP={value}: no such Python script here or in {checkout}; the apps are {apps}")

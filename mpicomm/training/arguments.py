@@ -22,7 +22,7 @@ from ..net import NAMED, parse_net
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
 
-__all__ = ["app_parser", "parse_app_args", "seed_everything", "setup_run", "train_config"]
+__all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setup_run", "train_config"]
 
 
 def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
     p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"])
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)")
-    p.add_argument("--milestones", type=lambda s: tuple(float(v) for v in s.split(",")), default=(0.5, 0.75),
+    p.add_argument("--milestones", type=fractions, default=(0.5, 0.75),
                    help="step schedule: fractions of the run where lr is multiplied by --lr-gamma")
     p.add_argument("--lr-gamma", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
@@ -49,6 +49,15 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     return p
+
+
+def fractions(text: str) -> tuple[float, ...]:
+    """``"0.5,0.75"`` -> ``(0.5, 0.75)``: argparse's type for ``--milestones``."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions of the run such as 0.5,0.75, "
+                                         f"got {text!r}") from None
 
 
 def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
