@@ -21,11 +21,13 @@ Collective calls use the communicator only for ``allgather`` of small Python obj
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import datetime
 import errno
 import gc
 import importlib.metadata
+import io
 import os
 import platform
 import re
@@ -81,11 +83,12 @@ def _error_class(error: BaseException) -> type:
 
 def _agree(raw, error: Exception | None, what: str, payload=None) -> list:
     """Collective: every rank raises if any rank failed (first failure's type and message); else all payloads."""
-    mine = None if error is None else (_error_class(error).__name__, type(error).__name__, str(error))
+    mine = None if error is None else (_error_class(error).__name__, type(error).__name__, str(error),
+                                         getattr(error, "errno", None))
     gathered = raw.allgather((mine, payload))
     failed = [(rank, report) for rank, (report, _) in enumerate(gathered) if report is not None]
     if failed:
-        rank, (name, kind, message) = failed[0]
+        rank, (name, kind, message, code) = failed[0]
         more = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         text = f"{what} failed on rank {rank}{more}: {kind}: {message}"
         cls = CheckpointError if name == "CheckpointError" else getattr(builtins, name)
@@ -93,6 +96,8 @@ def _agree(raw, error: Exception | None, what: str, payload=None) -> list:
             exc = cls(text)
         except TypeError:  # a builtin needing more arguments (UnicodeEncodeError)
             exc = RuntimeError(text)
+        if isinstance(exc, OSError):
+            exc.errno = code
         raise mark_agreed(exc, message, [r for r, _ in failed], len(gathered)) from error
     return [p for _, p in gathered]
 
@@ -187,17 +192,19 @@ def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
     "Exception ignored" tracebacks; they are collected here instead and turned into that one error.
     """
     caught: list[BaseException] = []
+    printed = io.StringIO()  # h5py's Cython code also prints each of those tracebacks itself
     previous = sys.unraisablehook
     sys.unraisablehook = lambda report: caught.append(report.exc_value)
     try:
-        try:
-            with h5py.File(path, "w", libver=LIBVER) as f:
-                write_tree(f.create_group(_rank_group(identity["rank"])), state)
-                for key, value in identity.items():
-                    f.attrs[f"mpicomm_{key}"] = value
-                f.flush()
-        finally:
-            gc.collect()  # free h5py's objects now, while their errors are still collected
+        with contextlib.redirect_stderr(printed):
+            try:
+                with h5py.File(path, "w", libver=LIBVER) as f:
+                    write_tree(f.create_group(_rank_group(identity["rank"])), state)
+                    for key, value in identity.items():
+                        f.attrs[f"mpicomm_{key}"] = value
+                    f.flush()
+            finally:
+                gc.collect()  # free h5py's objects now, while their errors are still collected
     except Exception as exc:
         cause = _write_error(path, [exc, *caught])
         if cause is exc:
@@ -207,6 +214,7 @@ def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
         sys.unraisablehook = previous
     if caught:
         raise _write_error(path, caught)
+    sys.stderr.write(printed.getvalue())  # anything else printed meanwhile still reaches the user
     _fsync(path)
 
 
