@@ -1,5 +1,6 @@
 """Shared fixtures. MPI is imported lazily so the serial tier never needs a launcher."""
 
+import subprocess
 import traceback
 
 import pytest
@@ -34,3 +35,11 @@ def run_all(comm, body) -> None:
     except Exception:  # noqa: BLE001 - reported collectively below
         ok, detail = False, traceback.format_exc(limit=6)
     assert_all(comm, ok, detail)
+
+
+def mount_tmpfs(where, size: str) -> None:
+    """Mount a tmpfs of ``size`` (e.g. ``"4m"``) at the new folder ``where``; skip the test without root."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")

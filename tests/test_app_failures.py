@@ -15,6 +15,7 @@ import pytest
 from mpicomm.training.metrics import continued
 
 from .app_runs import RESNET, launch, strict_records
+from .conftest import mount_tmpfs
 
 pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 DPSGD = [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9"]
@@ -115,14 +116,6 @@ def test_a_resumed_run_continues_its_counters_and_says_what_it_does(tmp_path):
     assert end["bytes_sent"] == strict_records(straight / "metrics.jsonl")[-1]["bytes_sent"]
     steps = [r["step"] for r in continued(records) if r["event"] == "train"]
     assert steps == [1, 2, 3, 4, 5, 6]
-
-
-def mount_tmpfs(where, size: str):
-    """Mount a tmpfs of ``size`` at ``where`` (needs root and mount; the calling test is skipped elsewhere)."""
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs")
 
 
 @pytest.fixture

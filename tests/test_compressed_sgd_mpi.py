@@ -221,7 +221,7 @@ def test_state_round_trip_is_bit_exact(comm, name, options):
 @pytest.mark.parametrize("name,options,message", [
     ("qsgd", {"bits": 1}, r"bits must be in \[2, 8\], got 1"),
     ("qsgd", {"bits": 9}, r"bits must be in \[2, 8\], got 9"),
-    ("qsgd", {"bucket_size": 0}, r"bucket_size must be in \[1, inf\], got 0"),
+    ("qsgd", {"bucket_size": 0}, r"bucket_size must be in \[1, inf\), got 0"),
     ("qsgd", {"bits": 2.0}, "bits must be an int"),
     ("compressed_sgd", {"codec": "nope"}, "codec must be one of"),
     ("compressed_sgd", {"codec": "qsgd", "codec_options": {"bits": 99}}, "do not fit codec 'qsgd'"),

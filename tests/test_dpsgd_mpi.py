@@ -71,7 +71,7 @@ def test_mismatched_models_fail_on_every_rank(comm):
 def test_bad_option_fails_on_every_rank(comm):
     def body():
         c = Communicator(comm, topologies_for(comm.Get_size())[0])
-        with pytest.raises(ValueError, match=r"lr must be in \(0.0, inf\]"):
+        with pytest.raises(ValueError, match=r"lr must be in \(0.0, inf\)"):
             make_algorithm("dpsgd", make_model(), c, lr=-1.0)
         with pytest.raises(ValueError, match="unknown option"):
             make_algorithm("dpsgd", make_model(), c, bits=3)

@@ -6,14 +6,15 @@ loop runs ``zero_grad → loss.backward → algo.step`` for the configured numbe
 bit-exactly: batches are a pure function of (seed, rank, epoch, index), the learning rate a pure function
 of the step, and every random generator is part of the checkpoint.
 
-Monitoring collectives (loss averages for the log, the stop-signal agreement) go through the raw
-communicator and are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation
-(which averages the models through the algorithm's communicator) runs unmetered: neither booked in the
-Ledger nor charged by a modelled network (``--net``).
+After each step the ranks agree, in one small collective, whether to stop (a signal: checkpoint and
+exit) or whether the run diverged (a non-finite loss or parameter: stop without saving); see
+:mod:`.health`. Errors every rank shares end the run with one message (:mod:`mpicomm.errors`).
 
-Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
-calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
-communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
+Monitoring collectives (loss averages for the log, that agreement) go through the raw communicator and
+are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation (which averages
+the models through the algorithm's communicator) runs unmetered: neither booked in the Ledger nor
+charged by a modelled network (``--net``). Each step's time is split into compute, comm and wait
+(:mod:`.reporting`). A checkpoint carries the run's counters, so a resumed run continues them.
 ``train_s`` in eval events is rank 0's cumulative time inside training steps (no evaluation, logging
 or checkpoints): the x-axis of time-to-accuracy. The end event adds rank 0's clock totals
 (``net_blocked_s``, ``net_slept_s``, ``net_modelled_s``; see :class:`~mpicomm.net.NetClock`).
@@ -23,9 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from ..errors import TrainingStopped, agreed_of, mark_agreed
 from .console import Console
 from .health import agree, local_problem
 from .metrics import MetricsWriter
+from .reporting import Progress, account, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
 from .schedule import LRSchedule
 from .stop import StopFlag
@@ -100,57 +101,6 @@ class TrainConfig:
         return min(total, self.max_steps) if self.max_steps else total
 
 
-def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
-    """Run ``fn`` with ``flat`` temporarily loaded into the model's flat buffer."""
-    saved = algo.flat.data.clone()
-    algo.flat.data.copy_(flat)
-    try:
-        was_training = algo.model.training
-        algo.model.eval()
-        with torch.no_grad():
-            return fn()
-    finally:
-        algo.model.train(was_training)
-        algo.flat.data.copy_(saved)
-
-
-def _evaluate(task: Task, algo, mpi_comm) -> dict[str, float]:
-    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models."""
-    average = algo.consensus_model()
-    out = _with_params(algo, average, lambda: task.evaluate(algo.model))
-    own = _with_params(algo, algo.flat.data, lambda: task.evaluate(algo.model))
-    everyone = mpi_comm.allgather(own)
-    for key in own:
-        values = [o[key] for o in everyone]
-        out[f"{key}_rank_min"], out[f"{key}_rank_max"] = min(values), max(values)
-    out["consensus_distance"] = algo.consensus_distance()
-    return out
-
-
-class _Progress:
-    """tqdm on rank 0 when enabled and installed; silent otherwise."""
-
-    def __init__(self, enabled: bool, total: int, initial: int):
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stdout, dynamic_ncols=True)
-
-    def update(self, n: int, **postfix) -> None:
-        """Advance by ``n`` steps and show ``postfix``."""
-        if self.bar is not None:
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(n)
-
-    def close(self) -> None:
-        """Close the bar."""
-        if self.bar is not None:
-            self.bar.close()
-
-
 def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None,
                  console: Console | None = None) -> dict:
     """Train ``task`` with ``algo`` as ``cfg`` says; return the final summary (same on every rank).
@@ -191,7 +141,7 @@ class _Run:
         self.train_s, self.wall_offset = 0.0, 0.0
         self.last_saved = ""
         self.metrics = MetricsWriter(None, enabled=False)
-        self.progress = _Progress(False, 0, 0)
+        self.progress = Progress(False, 0, 0)
         self.stop = StopFlag(install=False)
         self.t_run = time.perf_counter()
 
@@ -202,7 +152,7 @@ class _Run:
         self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=resumed is not None)
         self._write_start(resumed, run_info)
         self.stop = StopFlag(install=self.cfg.handle_signals)
-        self.progress = _Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
+        self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
         self.t_run = time.perf_counter() - self.wall_offset
 
     def _resume(self) -> Resumed | None:
@@ -293,7 +243,7 @@ class _Run:
                 self.step += 1
                 step = self.step
                 self.train_s += elapsed
-                _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
+                account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
                 loss_value = float(loss.detach())
                 finished_epoch = index + 1 == task.steps_per_epoch
                 position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
@@ -311,12 +261,12 @@ class _Run:
                 for k, v in counts.items():
                     counters[k] = counters.get(k, 0.0) + float(v)
                 if logging:
-                    _log(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
+                    log_window(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
                          self.wall())
                 if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
                         or step == total:
                     with algo.comm.unmetered():
-                        last_eval = _evaluate(task, algo, self.mpi_comm)
+                        last_eval = evaluate(task, algo, self.mpi_comm)
                     self.metrics.write({"event": "eval", "step": step,
                                         "epoch": epoch + (index + 1) / task.steps_per_epoch,
                                         "wall_s": self.wall(), "train_s": self.train_s, **last_eval,
@@ -350,33 +300,3 @@ class _Run:
         self.progress.close()
         self.stop.uninstall()
         self.metrics.close()
-
-
-def _account(window: dict, elapsed: float, blocked: float, slept: float, modelled: bool) -> None:
-    """Split one step's ``elapsed`` seconds into compute, comm and wait (see the module docstring)."""
-    comm = slept if modelled else blocked
-    window["step_s"] += elapsed
-    window["compute_s"] += elapsed - blocked
-    window["comm_s"] += comm
-    window["wait_s"] += blocked - comm
-    window["n"] += 1
-
-
-def _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall) -> None:
-    """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
-    n = max(window["n"], 1)
-    timings = ("compute_s", "comm_s", "wait_s", "step_s")
-    local = [window["loss"] / n] + [window[k] / n for k in timings]
-    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [counters.get(k, 0.0) for k in sorted(counters)]))]
-    size = mpi_comm.Get_size()
-    record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
-              "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
-              **algo.comm.ledger.totals()}
-    for key, value in zip(sorted(counters), summed[1 + len(timings):]):
-        record[f"sum_{key}"] = value
-    if "correct" in counters and "count" in counters:
-        record["train_accuracy"] = record["sum_correct"] / max(record["sum_count"], 1)
-    metrics.write(record)
-    progress.update(window["n"], loss=f"{record['loss']:.3f}", MB_sent=f"{record['bytes_sent'] / 1e6:.1f}")
-    window.update(loss=0.0, compute_s=0.0, comm_s=0.0, wait_s=0.0, step_s=0.0, n=0)
-    counters.clear()

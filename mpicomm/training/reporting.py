@@ -1,0 +1,98 @@
+"""What the training loop reports: evaluation of the averaged model, metrics lines, the progress bar.
+
+Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
+calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
+communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
+Monitoring collectives (the loss averages of a log line) go through the raw communicator and are not
+booked in the Ledger; evaluation runs unmetered (see :mod:`mpicomm.training.loop`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Progress", "account", "evaluate", "log_window"]
+
+
+def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
+    """Run ``fn`` with ``flat`` temporarily loaded into the model's flat buffer."""
+    saved = algo.flat.data.clone()
+    algo.flat.data.copy_(flat)
+    try:
+        was_training = algo.model.training
+        algo.model.eval()
+        with torch.no_grad():
+            return fn()
+    finally:
+        algo.model.train(was_training)
+        algo.flat.data.copy_(saved)
+
+
+def evaluate(task, algo, mpi_comm) -> dict[str, float]:
+    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models."""
+    average = algo.consensus_model()
+    out = _with_params(algo, average, lambda: task.evaluate(algo.model))
+    own = _with_params(algo, algo.flat.data, lambda: task.evaluate(algo.model))
+    everyone = mpi_comm.allgather(own)
+    for key in own:
+        values = [o[key] for o in everyone]
+        out[f"{key}_rank_min"], out[f"{key}_rank_max"] = min(values), max(values)
+    out["consensus_distance"] = algo.consensus_distance()
+    return out
+
+
+class Progress:
+    """tqdm on rank 0 when enabled and installed; silent otherwise."""
+
+    def __init__(self, enabled: bool, total: int, initial: int):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stdout, dynamic_ncols=True)
+
+    def update(self, n: int, **postfix) -> None:
+        """Advance by ``n`` steps and show ``postfix``."""
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        """Close the bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def account(window: dict, elapsed: float, blocked: float, slept: float, modelled: bool) -> None:
+    """Split one step's ``elapsed`` seconds into compute, comm and wait (see the module docstring)."""
+    comm = slept if modelled else blocked
+    window["step_s"] += elapsed
+    window["compute_s"] += elapsed - blocked
+    window["comm_s"] += comm
+    window["wait_s"] += blocked - comm
+    window["n"] += 1
+
+
+def log_window(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall) -> None:
+    """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
+    n = max(window["n"], 1)
+    timings = ("compute_s", "comm_s", "wait_s", "step_s")
+    local = [window["loss"] / n] + [window[k] / n for k in timings]
+    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [counters.get(k, 0.0) for k in sorted(counters)]))]
+    size = mpi_comm.Get_size()
+    record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
+              "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
+              **algo.comm.ledger.totals()}
+    for key, value in zip(sorted(counters), summed[1 + len(timings):]):
+        record[f"sum_{key}"] = value
+    if "correct" in counters and "count" in counters:
+        record["train_accuracy"] = record["sum_correct"] / max(record["sum_count"], 1)
+    metrics.write(record)
+    progress.update(window["n"], loss=f"{record['loss']:.3f}", MB_sent=f"{record['bytes_sent'] / 1e6:.1f}")
+    window.update(loss=0.0, compute_s=0.0, comm_s=0.0, wait_s=0.0, step_s=0.0, n=0)
+    counters.clear()
