@@ -30,6 +30,11 @@ class ImageTask:
         self.x_test = data.normalise(data.x_test[:limit])
         self.y_test = data.y_test[:limit]
 
+    def to_device(self, device: torch.device) -> None:
+        """Hold the images (uint8) and test set on ``device`` whole: batches are then cut there, no copies."""
+        self.data.to_device(device)
+        self.x_test, self.y_test = self.x_test.to(device), self.y_test.to(device)
+
     def _generator(self, *key: int) -> torch.Generator:
         value = self.seed
         for k in (self.rank, *key):
@@ -50,7 +55,7 @@ class ImageTask:
         """Cross-entropy, with correct/count counters for the training accuracy."""
         x, y = batch
         logits = model(x)
-        return F.cross_entropy(logits, y), {"correct": int((logits.argmax(1) == y).sum()), "count": len(y)}
+        return F.cross_entropy(logits, y), {"correct": (logits.argmax(1) == y).sum(), "count": len(y)}
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Test loss and accuracy (in batches of 500 to bound memory)."""

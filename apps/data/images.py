@@ -36,6 +36,11 @@ class ImageData:
         self.std = scaled.std(dim=(0, 2, 3)).view(1, 3, 1, 1) + 1e-6
         self.num_classes = int(max(y_train.max(), y_test.max())) + 1
 
+    def to_device(self, device: torch.device) -> None:
+        """Move the images, labels and channel statistics to ``device``."""
+        for name in ("x_train", "y_train", "x_test", "y_test", "mean", "std"):
+            setattr(self, name, getattr(self, name).to(device))
+
     def normalise(self, x_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32, standardised per channel with the training set's statistics."""
         return (x_uint8.float() / 255 - self.mean) / self.std
@@ -105,11 +110,16 @@ def shard_indices(labels: torch.Tensor, rank: int, size: int, seed: int, dirichl
 
 def augment(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.Tensor:
     """Random 32x32 crop of the 4-pixel zero-padded batch, plus a random horizontal flip when ``flip``."""
-    n = x.shape[0]
+    n, dev = x.shape[0], x.device
     padded = F.pad(x, (4, 4, 4, 4))
-    offsets = torch.randint(0, 9, (n, 2), generator=generator)
-    out = torch.stack([padded[i, :, dy:dy + 32, dx:dx + 32] for i, (dy, dx) in enumerate(offsets.tolist())])
+    offsets = torch.randint(0, 9, (n, 2), generator=generator).to(dev)  # drawn on the host: same on every device
+    span = torch.arange(32, device=dev)
+    rows = (offsets[:, 0:1] + span)[:, None, :, None]
+    cols = (offsets[:, 1:2] + span)[:, None, None, :]
+    images = torch.arange(n, device=dev)[:, None, None, None]
+    channels = torch.arange(x.shape[1], device=dev)[None, :, None, None]
+    out = padded[images, channels, rows, cols]
     if flip:
-        mask = torch.rand(n, generator=generator) < 0.5
-        out[mask] = out[mask].flip(-1)
+        mask = (torch.rand(n, generator=generator) < 0.5).to(dev)
+        out = torch.where(mask[:, None, None, None], out.flip(-1), out)
     return out

@@ -31,10 +31,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import latest_checkpoint, load_checkpoint, map_location, save_checkpoint
 from ..checkpoint.rng import capture_rng_state, restore_rng_state
 from ..checkpoint.store import run_meta
+from .device import to_device
 from .metrics import MetricsWriter
+from .precision import PRECISIONS, Precision
 from .schedule import LRSchedule
 from .stop import StopFlag
 
@@ -77,6 +79,7 @@ class TrainConfig:
     progress: bool = True
     handle_signals: bool = True
     stop_at_step: int = 0
+    precision: str = "fp32"
 
     def __post_init__(self):
         for name in ("epochs", "log_every"):
@@ -87,6 +90,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if (self.save_every or self.resume) and not self.out_dir:
             raise ValueError("--save-every/--resume need --out-dir (where checkpoints live)")
 
@@ -161,14 +166,18 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     expect = {"topology": meta["topology"], "algorithm": {"name": algo.name},
               "model_signature": meta["model_signature"]}
     step, epoch, start = 0, 0, 0
+    device = algo.flat.data.device
+    precision = Precision(cfg.precision, device, algo.comm)
     resumed_from = ""
     if cfg.resume:
         path = latest_checkpoint(cfg.out_dir) if cfg.resume == "latest" else cfg.resume
         if path is not None:
             state, _ = load_checkpoint(path, algo.comm, expect=expect)
+            state = map_location(state, device)
             algo.load_state_dict(state["algorithm"])
             _load_buffers(algo.model, state["buffers"])
-            restore_rng_state(state["rng"])
+            restore_rng_state(state["rng"], device)
+            precision.load_state_dict(state.get("precision", {}))
             step, epoch, start = (int(state["position"][k]) for k in ("step", "epoch", "batch"))
             resumed_from = str(path)
     metrics_path = f"{cfg.out_dir}/metrics.jsonl" if cfg.out_dir else ""
@@ -192,9 +201,11 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     def save(position_epoch: int, position_batch: int) -> None:
         if not cfg.out_dir:
             return
-        state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(),
+        state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(device),
                  "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()},
                  "position": {"step": step, "epoch": position_epoch, "batch": position_batch}}
+        if cfg.precision != "fp32":
+            state["precision"] = precision.state_dict()
         path = save_checkpoint(cfg.out_dir, algo.comm, state, step=step, meta=meta, keep_last=cfg.keep_last)
         metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
 
@@ -204,16 +215,18 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
             blocked, slept = clock.blocked_s, clock.slept_s
             t0 = time.perf_counter()
             algo.zero_grad()
-            loss, counts = task.loss(algo.model, batch)
-            loss.backward()
-            algo.step()
+            with precision.autocast():
+                loss, counts = task.loss(algo.model, to_device(batch, device))
+            precision.backward(loss)
+            if precision.ready(algo.flat):
+                algo.step()
             elapsed = time.perf_counter() - t0
             step += 1
             train_s += elapsed
             _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
-            window["loss"] += float(loss.detach())
+            window["loss"] += loss.detach().double()  # on the device: read once per log line, not per step
             for k, v in counts.items():
-                counters[k] = counters.get(k, 0.0) + float(v)
+                counters[k] = counters.get(k, 0.0) + (v.detach() if torch.is_tensor(v) else float(v))
             finished_epoch = index + 1 == task.steps_per_epoch
             position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
             if step % cfg.log_every == 0 or step == total:
@@ -244,6 +257,8 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     stop.uninstall()
     algo.close()
     summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
+               **({"loss_scale": precision.scale, "skipped_steps": precision.skipped}
+                  if cfg.precision == "fp16" else {}),
                "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
                **algo.comm.ledger.totals(), **{f"net_{k}": v for k, v in clock.totals().items()}}
     metrics.write(summary)
@@ -274,8 +289,8 @@ def _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall)
     """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
     n = max(window["n"], 1)
     timings = ("compute_s", "comm_s", "wait_s", "step_s")
-    local = [window["loss"] / n] + [window[k] / n for k in timings]
-    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [counters.get(k, 0.0) for k in sorted(counters)]))]
+    local = [float(window["loss"]) / n] + [window[k] / n for k in timings]
+    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [float(counters[k]) for k in sorted(counters)]))]
     size = mpi_comm.Get_size()
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
               "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
