@@ -13,7 +13,7 @@ visible, so local rank r picks GPU r (ranks share GPUs round-robin when there ar
 
 :func:`place` is collective: every rank selects its device, any rank's error becomes the same
 ``ValueError`` on every rank (the apps turn it into exit status 2 before anything is trained), and
-rank 0 prints one line per rank: ``rank → host → device``.
+rank 0 prints the placement, ``rank → device`` grouped by host.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_device_count", "place", "select_device", "to_device"]
+__all__ = ["cuda_device_count", "place", "place_task", "placement_text", "select_device", "to_device"]
 
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
@@ -74,13 +74,20 @@ def place(spec: str, mpi_comm, *, device_count: int | None = None, out=None) -> 
     except ValueError as exc:
         error = exc
     raise_together(mpi_comm, error)
-    rows = mpi_comm.allgather((socket.gethostname(), local, str(device)))
+    rows = mpi_comm.allgather((socket.gethostname(), str(device)))
     if mpi_comm.Get_rank() == 0 and out is not False:
         stream = sys.stdout if out is None else out
-        stream.write("placement (rank → host → device): " + "; ".join(
-            f"{r} → {host} → {dev}" for r, (host, _, dev) in enumerate(rows)) + "\n")
+        stream.write(placement_text(rows))
         stream.flush()
     return device
+
+
+def placement_text(rows: list[tuple[str, str]]) -> str:
+    """``rank → host → device`` for every rank, one line per host: ``placement vm: 0 → cpu, 1 → cpu``."""
+    hosts: dict[str, list[str]] = {}
+    for rank, (host, device) in enumerate(rows):
+        hosts.setdefault(host, []).append(f"{rank} → {device}")
+    return "".join(f"placement {host}: {', '.join(ranks)}\n" for host, ranks in hosts.items())
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
