@@ -119,6 +119,7 @@ def part_train(args) -> dict:
 
     world = MPI.COMM_WORLD
     dev, checks = device_for(world, args.cpu_only), []
+    torch.backends.cudnn.allow_tf32 = False  # TF32 convolutions (10-bit mantissa) would dominate the difference
     for key, (_, stochastic) in ALGORITHMS.items():
         cpu = train(world, key, torch.device("cpu"), args.steps, batch=args.batch)
         with torch_path(args.cpu_only):

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 from torch.nn import functional as F
 
+from mpicomm.training.device import to_device
+
 from .images import ImageData, augment, shard_indices
 
 __all__ = ["ImageTask"]
@@ -45,7 +47,7 @@ class ImageTask:
         """Batches ``start``, ``start + 1``, … of ``epoch`` (a pure function of seed, rank, epoch, index)."""
         order = self.indices[torch.randperm(len(self.indices), generator=self._generator(epoch))]
         for b in range(start, self.steps_per_epoch):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            idx = to_device(order[b * self.batch_size:(b + 1) * self.batch_size], self.data.x_train.device)
             x = self.data.x_train[idx]
             if self.augment:
                 x = augment(x, self._generator(epoch, b), self.data.flip)

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from mpicomm.training.device import to_device
+
 __all__ = ["ImageData", "load_cifar10", "load_digits32", "shard_indices"]
 
 
@@ -112,7 +114,7 @@ def augment(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.Te
     """Random 32x32 crop of the 4-pixel zero-padded batch, plus a random horizontal flip when ``flip``."""
     n, dev = x.shape[0], x.device
     padded = F.pad(x, (4, 4, 4, 4))
-    offsets = torch.randint(0, 9, (n, 2), generator=generator).to(dev)  # drawn on the host: same on every device
+    offsets = to_device(torch.randint(0, 9, (n, 2), generator=generator), dev)  # drawn on the host: any device
     span = torch.arange(32, device=dev)
     rows = (offsets[:, 0:1] + span)[:, None, :, None]
     cols = (offsets[:, 1:2] + span)[:, None, None, :]
@@ -120,6 +122,6 @@ def augment(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.Te
     channels = torch.arange(x.shape[1], device=dev)[None, :, None, None]
     out = padded[images, channels, rows, cols]
     if flip:
-        mask = (torch.rand(n, generator=generator) < 0.5).to(dev)
+        mask = to_device(torch.rand(n, generator=generator) < 0.5, dev)
         out = torch.where(mask[:, None, None, None], out.flip(-1), out)
     return out
