@@ -101,3 +101,23 @@ def test_fp16_loss_scale_is_removed_exactly_before_compression(comm, name):
         assert torch.equal(run("fp16"), run("fp32"))
 
     run_all(comm, body)
+
+
+@pytest.mark.parametrize("name, precision", [("dpsgd", "fp16"), ("qsgd", "fp16"), ("moniqua", "bf16")])
+def test_mixed_precision_resume_is_bit_exact(comm, name, precision, tmp_path_factory):
+    """2N steps straight == N, checkpoint, resume, N more, under autocast (fp16: the loss scale is saved)."""
+    from .test_resume_mpi import STEPS, _run
+
+    root = comm.bcast(str(tmp_path_factory.mktemp("amp")) if comm.Get_rank() == 0 else None)
+
+    def body():
+        straight, end = _run(comm, name, f"{root}/straight", precision=precision)
+        _, first = _run(comm, name, f"{root}/split", precision=precision, stop_at_step=STEPS // 2)
+        resumed, last = _run(comm, name, f"{root}/split", precision=precision, resume="latest")
+        assert first["step"] == STEPS // 2 and last["step"] == STEPS
+        assert torch.equal(resumed.flat.data, straight.flat.data)
+        assert last.get("loss_scale") == end.get("loss_scale")
+        if precision == "fp16":
+            assert end["loss_scale"] == 2.0 ** (16 - end["skipped_steps"])
+
+    run_all(comm, body)
