@@ -226,7 +226,7 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
             _account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
             window["loss"] += loss.detach().double()  # on the device: read once per log line, not per step
             for k, v in counts.items():
-                counters[k] = counters.get(k, 0.0) + (v.detach() if torch.is_tensor(v) else float(v))
+                counters[k] = counters.get(k, 0) + (v.detach() if torch.is_tensor(v) else float(v))
             finished_epoch = index + 1 == task.steps_per_epoch
             position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
             if step % cfg.log_every == 0 or step == total:
