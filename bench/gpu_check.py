@@ -135,7 +135,7 @@ def part_train(args) -> dict:
 def part_throughput(args) -> dict:
     """Codec encode+decode time against a device-to-device copy of the same tensor (the HBM limit)."""
     dev, rows = device_for(None, False), []
-    for n in (16 * 2**20, 64 * 2**20):
+    for n in args.sizes:
         x = torch.randn(n, device=dev)
         copy_ms = median_ms(x.clone, dev, 10)
         for label, codec, _ in bench_codecs({"x": x}):
@@ -209,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-only", action="store_true")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (train part)")
     p.add_argument("--batch", type=int, default=32, help="images per rank per step (train and precision parts)")
+    p.add_argument("--sizes", type=lambda t: [int(v) << 20 for v in t.split(",")], default=[16 << 20, 64 << 20],
+                   help="throughput part: tensor sizes in Mi elements, e.g. 16,64")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.part == "report":
