@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command: codecs on CUDA vs CPU, device collectives at 2 and 4 ranks (staged, and
 # direct when MPI is CUDA-aware), ResNet-20 with every algorithm on cuda vs cpu, codec throughput against
-# a device-to-device copy at 16M/64M elements, ResNet-20 step times, bf16 and fp16 runs. Ranks share the
+# a device-to-device copy at 16M/64M elements, ResNet-20 step times, host syncs per step (bench/host_syncs.py),
+# bf16 and fp16 runs. Ranks share the
 # node's GPUs (cuda:{local rank % GPUs}). Writes OUT/gpu_check.json and prints a short table; exit 1 if a
 # check failed. Budget: about 5 minutes on one H200 (each part has its own timeout).
 #
@@ -67,6 +68,7 @@ part 200 train "${mpi[@]}" -n 2 "$py" bench/gpu_check.py train "${flags[@]}" "${
 if [ "$CPU_ONLY" = 0 ]; then
   part 60 throughput "$py" bench/gpu_check.py throughput "${flags[@]}"
   part 60 steptime "${mpi[@]}" -n 2 "$py" bench/gpu_check.py steptime "${flags[@]}"
+  part 60 host-syncs "${mpi[@]}" -n 4 "$py" bench/host_syncs.py --device cuda --out "$OUT/host_syncs.json"
 fi
 part 90 precision "${mpi[@]}" -n 2 "$py" bench/gpu_check.py precision "${flags[@]}" "${train[@]}"
 "$py" bench/gpu_check.py report "${flags[@]}"; rc=$?
