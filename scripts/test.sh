@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2 and 4 ranks, then
+# The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2 and 4 ranks, the CPU part of
+# scripts/gpu_check.sh, then
 # rendered sbatch templates on a real single-node SLURM (root only; installed from Debian if missing).
 # Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
 # As root with `unshare` available, all tiers run in a loopback-only network namespace (no MPI byte
@@ -30,6 +31,7 @@ tier serial python -m pytest -q "$@"
 for n in 1 2 4; do
   tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
 done
+tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
 if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
   tier slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -m slurm tests/test_slurm.py
 else

@@ -121,7 +121,7 @@ class BertTask:
         logits, targets = _masked_logits(model, batch)
         count = int(targets.numel())
         loss = F.cross_entropy(logits, targets, reduction="sum") / max(count, 1)
-        return loss, {"masked_tokens": count, "correct": int((logits.argmax(-1) == targets).sum())}
+        return loss, {"masked_tokens": count, "correct": (logits.argmax(-1) == targets).sum()}
 
     def evaluate(self, model: BertForMaskedLM) -> dict[str, float]:
         """MLM loss and accuracy on the fixed validation subset and mask (eval mode, no grad; mode restored).

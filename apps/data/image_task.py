@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 from torch.nn import functional as F
 
+from mpicomm.training.device import to_device
+
 from .images import ImageData, augment, shard_indices
 
 __all__ = ["ImageTask"]
@@ -30,6 +32,11 @@ class ImageTask:
         self.x_test = data.normalise(data.x_test[:limit])
         self.y_test = data.y_test[:limit]
 
+    def to_device(self, device: torch.device) -> None:
+        """Hold the images (uint8) and test set on ``device`` whole: batches are then cut there, no copies."""
+        self.data.to_device(device)
+        self.x_test, self.y_test = self.x_test.to(device), self.y_test.to(device)
+
     def _generator(self, *key: int) -> torch.Generator:
         value = self.seed
         for k in (self.rank, *key):
@@ -40,7 +47,7 @@ class ImageTask:
         """Batches ``start``, ``start + 1``, … of ``epoch`` (a pure function of seed, rank, epoch, index)."""
         order = self.indices[torch.randperm(len(self.indices), generator=self._generator(epoch))]
         for b in range(start, self.steps_per_epoch):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            idx = to_device(order[b * self.batch_size:(b + 1) * self.batch_size], self.data.x_train.device)
             x = self.data.x_train[idx]
             if self.augment:
                 x = augment(x, self._generator(epoch, b), self.data.flip)
@@ -50,7 +57,7 @@ class ImageTask:
         """Cross-entropy, with correct/count counters for the training accuracy."""
         x, y = batch
         logits = model(x)
-        return F.cross_entropy(logits, y), {"correct": int((logits.argmax(1) == y).sum()), "count": len(y)}
+        return F.cross_entropy(logits, y), {"correct": (logits.argmax(1) == y).sum(), "count": len(y)}
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """Test loss and accuracy (in batches of 500 to bound memory)."""

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from mpicomm.training.device import to_device
+
 __all__ = ["ImageData", "load_cifar10", "load_digits32", "shard_indices"]
 
 
@@ -36,6 +38,11 @@ class ImageData:
         self.mean = scaled.mean(dim=(0, 2, 3)).view(1, 3, 1, 1)
         self.std = scaled.std(dim=(0, 2, 3)).view(1, 3, 1, 1) + 1e-6
         self.num_classes = int(max(y_train.max(), y_test.max())) + 1
+
+    def to_device(self, device: torch.device) -> None:
+        """Move the images, labels and channel statistics to ``device``."""
+        for name in ("x_train", "y_train", "x_test", "y_test", "mean", "std"):
+            setattr(self, name, getattr(self, name).to(device))
 
     def normalise(self, x_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 images -> float32, standardised per channel with the training set's statistics."""
@@ -120,11 +127,16 @@ def shard_indices(labels: torch.Tensor, rank: int, size: int, seed: int, dirichl
 
 def augment(x: torch.Tensor, generator: torch.Generator, flip: bool) -> torch.Tensor:
     """Random 32x32 crop of the 4-pixel zero-padded batch, plus a random horizontal flip when ``flip``."""
-    n = x.shape[0]
+    n, dev = x.shape[0], x.device
     padded = F.pad(x, (4, 4, 4, 4))
-    offsets = torch.randint(0, 9, (n, 2), generator=generator)
-    out = torch.stack([padded[i, :, dy:dy + 32, dx:dx + 32] for i, (dy, dx) in enumerate(offsets.tolist())])
+    offsets = to_device(torch.randint(0, 9, (n, 2), generator=generator), dev)  # drawn on the host: any device
+    span = torch.arange(32, device=dev)
+    rows = (offsets[:, 0:1] + span)[:, None, :, None]
+    cols = (offsets[:, 1:2] + span)[:, None, None, :]
+    images = torch.arange(n, device=dev)[:, None, None, None]
+    channels = torch.arange(x.shape[1], device=dev)[None, :, None, None]
+    out = padded[images, channels, rows, cols]
     if flip:
-        mask = torch.rand(n, generator=generator) < 0.5
-        out[mask] = out[mask].flip(-1)
+        mask = to_device(torch.rand(n, generator=generator) < 0.5, dev)
+        out = torch.where(mask[:, None, None, None], out.flip(-1), out)
     return out

@@ -5,6 +5,7 @@
 joined by ``checkpoint.h5`` of external links), the commit protocol and the failure behaviour.
 """
 
+from .placement import map_location
 from .rng import capture_rng_state, restore_rng_state
 from .store import latest_checkpoint, list_checkpoints, load_checkpoint, run_meta, save_checkpoint
 from .tree import CheckpointError, read_tree, write_tree
@@ -15,6 +16,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "map_location",
     "read_tree",
     "restore_rng_state",
     "run_meta",

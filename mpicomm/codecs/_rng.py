@@ -1,8 +1,10 @@
 """A seeded ``torch.Generator`` that stochastic codecs own, created lazily on their input's device.
 
 Its state round-trips through ``state_dict``/``load_state_dict``, so save -> restore -> encode gives the
-same bytes as an uninterrupted run. A CPU generator state cannot drive a CUDA generator (their formats
-differ), so restoring onto another device type raises instead of silently reseeding.
+same bytes as an uninterrupted run on the same device type. A CPU generator state cannot drive a CUDA
+generator (their formats differ), so a run resumed on another device type (a GPU run continued on a
+CPU, or the other way round) continues with a fresh stream seeded from a hash of the saved state:
+deterministic, reproducible, but not the stream the original device would have drawn.
 
 Stochastic rounding draws ``u = (r + 1/2) / 2**16`` with r uniform on 0..65535: 16 random bits per
 element, taken four at a time from full-range 64-bit draws. On a CPU this is 3x cheaper than
@@ -12,6 +14,8 @@ is below float32's own resolution of y for 8-bit grids (y < 256 is resolved to 2
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -23,6 +27,12 @@ def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     return seed
+
+
+def _derived_seed(rng_state: torch.Tensor) -> int:
+    """A 63-bit seed that is a pure function of a saved generator state (for a change of device type)."""
+    digest = hashlib.sha256(rng_state.numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class SeededGenerator:
@@ -40,9 +50,10 @@ class SeededGenerator:
             gen = torch.Generator(device=device)
             if self._pending is not None and self._pending["rng_state"] is not None:
                 saved = torch.device(self._pending["device"])
-                if saved.type != device.type:
-                    raise ValueError(f"codec generator state was saved on {saved}; it cannot drive inputs on {device}")
-                gen.set_state(self._pending["rng_state"])
+                if saved.type == device.type:
+                    gen.set_state(self._pending["rng_state"])
+                else:
+                    gen.manual_seed(_derived_seed(self._pending["rng_state"]))
             else:
                 gen.manual_seed(self.seed)
             self._gen, self._pending = gen, None

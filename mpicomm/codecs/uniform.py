@@ -72,11 +72,13 @@ class UniformCodec(Codec):
         """``8`` header bytes (when lo/hi are per tensor) plus ``ceil(numel*bits/8)``."""
         return self._header + bitpack.packed_bytes(check_numel(numel, "UniformCodec.payload_bytes"), self.bits)
 
-    def _range(self, payload: torch.Tensor) -> tuple[float, float]:
+    def _range(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) as float64 scalars on the payload's device: no host round trip for the header."""
         if self._header:
-            lo, hi = read_field(payload, 0, 2, torch.float32).tolist()
+            lo, hi = read_field(payload, 0, 2, torch.float32).double().unbind()
             return lo, hi
-        return self.lo, self.hi
+        bounds = torch.tensor([self.lo, self.hi], dtype=torch.float64, device=payload.device)
+        return bounds[0], bounds[1]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Quantize ``x`` to ``bits``-bit grid indices, packed after the optional [lo, hi] header."""
@@ -87,7 +89,9 @@ class UniformCodec(Codec):
             bounds = torch.stack(torch.aminmax(x)).float() if n else torch.zeros(2, device=x.device)
             write_field(payload, 0, bounds)
         lo, hi = self._range(payload)
-        scale = self.levels / (hi - lo) if hi > lo else 0.0
+        # levels / (hi - lo) in float64, then float32: what a Python scalar gives, kept on the device
+        scale = torch.where(hi > lo, self.levels / (hi - lo), 0.0).float()
+        lo = lo.float()
         rng = self._rng
         body = payload[self._header :]
         step = chunk_elems(x.device)
@@ -114,7 +118,7 @@ class UniformCodec(Codec):
         check_payload(payload, self.payload_bytes(numel), "UniformCodec.decode")
         out = prepare_out(out, numel, payload.device, "UniformCodec.decode")
         lo, hi = self._range(payload)
-        delta = (hi - lo) / self.levels
+        delta, lo = ((hi - lo) / self.levels).float(), lo.float()
         body, bits, dev = payload[self._header :], self.bits, payload.device
         step = chunk_elems(dev)
         lookup = bits in (1, 2, 4)  # one gather per byte beats unpack + convert + affine

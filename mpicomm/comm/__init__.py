@@ -3,12 +3,16 @@
 from .buffers import BufferRouter, query_cuda_aware
 from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
+from .local import local_rank, local_size, node_layout
 
 __all__ = [
     "BufferRouter",
     "Communicator",
     "Handle",
     "abort_on_exception",
+    "local_rank",
+    "local_size",
+    "node_layout",
     "query_cuda_aware",
     "raise_together",
 ]

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from .presets import PRESETS
+from .presets import PRESETS, check_preset
 from .template import render
 
 __all__ = [
@@ -63,6 +63,8 @@ def _rendered(args) -> str:
             raise ValueError(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
         sets.update(PRESETS[args.preset])
     sets.update(parse_sets(args.set))
+    for name in {args.preset, os.path.basename(args.template).removesuffix(".sbatch")} & set(PRESETS):
+        check_preset(name, sets)  # a preset's own template counts as that preset
     with open(find_template(args.template)) as f:
         return render(f.read(), sets)
 

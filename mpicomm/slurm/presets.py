@@ -4,14 +4,20 @@ Edit a preset here, then run ``mpicomm slurm regenerate``; ``tests/test_slurm_te
 checked-in template drifts from its preset. Paper settings: Moniqua trains ResNet-20/110 on CIFAR-10 with 8
 workers on a ring (Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze
 pre-trains BERT-Base and BERT-Large (Tang et al. 2020). Data paths are placeholders to adapt per site.
+
+GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``) and
+pass ``--device auto``; :func:`check_preset` refuses to render one with ``gpus-per-task=0``. The CPU
+preset (``resnet20_cpu``) runs one rank per core with ``OMP_NUM_THREADS=1`` (the template sets it from
+``cpus-per-task``) and ``--device cpu``; the template adds MPICH's yield setting when ranks outnumber cores.
 """
 
 from __future__ import annotations
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "check_preset", "is_gpu_preset"]
 
 _CIFAR = "--data-dir data/cifar-10-batches-py --batch-size 16 --momentum 0.9 --weight-decay 1e-4 --lr-schedule step"
-_GPU = {"nodes": "1", "ntasks-per-node": "8", "gpus-per-task": "1", "cpus-per-task": "4"}
+_GPU = {"nodes": "1", "ntasks-per-node": "8", "gpus-per-task": "1", "cpus-per-task": "4", "DEVICE": "auto"}
+_CPU = {"nodes": "2", "ntasks-per-node": "32", "cpus-per-task": "1", "DEVICE": "cpu"}
 
 PRESETS: dict[str, dict[str, str]] = {
     "resnet20_moniqua": {
@@ -23,6 +29,11 @@ PRESETS: dict[str, dict[str, str]] = {
         **_GPU, "job-name": "r110-moniqua", "time": "2-00:00:00", "APP": "apps/train_resnet.py",
         "ALGORITHM": "moniqua", "EPOCHS": "200", "SAVE_EVERY": "1000",
         "EXTRA_ARGS": f"--model resnet110 --bits 1 --lr 0.1 {_CIFAR}",
+    },
+    "resnet20_cpu": {
+        **_CPU, "job-name": "r20-cpu", "time": "2-00:00:00", "APP": "apps/train_resnet.py",
+        "ALGORITHM": "dpsgd", "EPOCHS": "200", "SAVE_EVERY": "1000",
+        "EXTRA_ARGS": f"--model resnet20 --lr 0.1 {_CIFAR}",
     },
     "resnet18_cpdsgdm": {
         **_GPU, "job-name": "r18-cpdsgdm", "time": "12:00:00", "APP": "apps/train_resnet.py",
@@ -36,17 +47,29 @@ PRESETS: dict[str, dict[str, str]] = {
                       "--batch-size 16 --lr-schedule step",
     },
     "bert_base_apmsqueeze": {
-        "nodes": "4", "ntasks-per-node": "8", "gpus-per-task": "1", "cpus-per-task": "4",
-        "job-name": "bert-base-apms", "time": "3-00:00:00", "APP": "apps/train_bert.py",
+        **_GPU, "nodes": "4", "job-name": "bert-base-apms", "time": "3-00:00:00", "APP": "apps/train_bert.py",
         "ALGORITHM": "apmsqueeze", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
         "EXTRA_ARGS": "--preset base --data data/corpus --seq-len 128 --batch-size 32 --lr 4e-4 "
                       "--warmup-fraction 0.2 --lr-warmup-steps 10000 --lr-schedule cosine",
     },
     "bert_large_apmsqueeze": {
-        "nodes": "8", "ntasks-per-node": "8", "gpus-per-task": "1", "cpus-per-task": "4",
-        "job-name": "bert-large-apms", "time": "5-00:00:00", "APP": "apps/train_bert.py",
+        **_GPU, "nodes": "8", "job-name": "bert-large-apms", "time": "5-00:00:00", "APP": "apps/train_bert.py",
         "ALGORITHM": "apmsqueeze", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
         "EXTRA_ARGS": "--preset large --data data/corpus --seq-len 128 --batch-size 16 --lr 2e-4 "
                       "--warmup-fraction 0.2 --lr-warmup-steps 10000 --lr-schedule cosine",
     },
 }
+
+
+def is_gpu_preset(name: str) -> bool:
+    """Whether preset ``name`` binds GPUs (it sets ``gpus-per-task``)."""
+    return "gpus-per-task" in PRESETS[name]
+
+
+def check_preset(name: str, sets: dict[str, str]) -> None:
+    """Refuse settings that contradict preset ``name`` (``ValueError`` saying why and what to use instead)."""
+    if is_gpu_preset(name) and sets.get("gpus-per-task", "1").strip() == "0":
+        cpu = sorted(n for n in PRESETS if not is_gpu_preset(n))
+        raise ValueError(f"--set gpus-per-task=0: {name} is a GPU preset (one GPU per task, --device auto); "
+                         f"without a GPU its ranks would train on the CPU with settings sized for GPUs. "
+                         f"Use a CPU preset ({', '.join(cpu)}) or the generic template with --set DEVICE=cpu")

@@ -19,8 +19,10 @@ from .. import topology
 from ..algorithms import ALGORITHMS, make_algorithm
 from ..comm import Communicator, raise_together
 from ..net import NAMED, parse_net
+from .device import place, place_task
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
+from .precision import PRECISIONS
 
 __all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setup_run", "train_config"]
 
@@ -48,6 +50,10 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
+    p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
+                   "else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (bf16/fp16: autocast; "
+                   "fp16 with a loss scale agreed across ranks)")
     return p
 
 
@@ -76,7 +82,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.lr_warmup_steps, milestones=args.milestones, lr_gamma=args.lr_gamma,
         log_every=args.log_every, eval_every=args.eval_every, out_dir=args.out_dir, save_every=args.save_every,
         keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
-        stop_at_step=args.stop_at_step,
+        stop_at_step=args.stop_at_step, precision=args.precision,
     )
 
 
@@ -94,12 +100,17 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
     same ``ValueError`` on every rank, so the app can print it once per rank and exit non-zero, no hang.
     """
     error, task, cfg, topo, net = None, None, None, None, None
+    device = place(args.device, mpi_comm)  # before anything is built: a device error trains nothing
     seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
         cfg = train_config(args)
         topo = topology.build(args.topology, mpi_comm.Get_size())
         net = parse_net(args.net)
         task = build()
+        place_task(task, device)
+        if cfg.precision == "fp16" and getattr(args, "overlap", False):
+            raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped allreduce "
+                             "sends gradients before the loss scale's overflow check; use bf16 or no --overlap")
     except (ValueError, TypeError, OSError) as exc:
         error = exc
     raise_together(mpi_comm, error)

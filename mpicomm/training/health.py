@@ -5,9 +5,10 @@ non-finite loss or parameter on any rank (the run has diverged: stop *without* c
 last checkpoint on disk is the last good state). Both ride on the same allgather of a few bytes per
 step, the only per-step collective the loop adds.
 
-The loss is checked every step (its value is read for the log anyway); the parameters, a pass over the
-whole model, every ``log_every`` steps and before every checkpoint. A NaN that reaches a rank's
-parameters shows in that rank's loss on its next step, so a divergence is caught within one step.
+The check reads the sum of the losses since the last log line (it stays on the device between checks:
+no host sync per step) and the parameters, a pass over the whole model, every ``log_every`` steps and
+before every checkpoint: a checkpoint never holds a diverged state, and a divergence is caught within
+``log_every`` steps. The stop-signal part of the agreement runs every step (host data only).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Verdict:
 
 
 def local_problem(loss: float, params: torch.Tensor | None = None) -> str:
-    """What is non-finite on this rank (``""`` if nothing): the loss, or (when given) the parameters."""
+    """What is non-finite on this rank (``""`` if nothing): the loss (a sum since the last check), or the parameters."""
     if not math.isfinite(loss):
         return f"loss is {loss}"
     if params is not None and not bool(torch.isfinite(params).all()):

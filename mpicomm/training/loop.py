@@ -36,8 +36,10 @@ from ..checkpoint.rng import capture_rng_state
 from ..checkpoint.store import run_meta
 from ..errors import TrainingStopped, agreed_of, mark_agreed
 from .console import Console
+from .device import to_device
 from .health import agree, local_problem
 from .metrics import MetricsWriter
+from .precision import PRECISIONS, Precision
 from .reporting import Progress, account, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
 from .schedule import LRSchedule
@@ -82,6 +84,7 @@ class TrainConfig:
     progress: bool = True
     handle_signals: bool = True
     stop_at_step: int = 0
+    precision: str = "fp32"
 
     def __post_init__(self):
         for name in ("epochs", "log_every"):
@@ -92,6 +95,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.keep_last < 1:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if (self.save_every or self.resume) and not self.out_dir:
             raise ValueError("--save-every/--resume need --out-dir (where checkpoints live)")
 
@@ -137,6 +142,8 @@ class _Run:
         self.schedule = LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones,
                                    cfg.lr_gamma)
         self.meta = run_meta(algo.comm, algo)
+        self.device = algo.flat.data.device
+        self.precision = Precision(cfg.precision, self.device, algo.comm)
         self.step, self.epoch, self.start = 0, 0, 0
         self.train_s, self.wall_offset = 0.0, 0.0
         self.last_saved = ""
@@ -164,7 +171,7 @@ class _Run:
             self.console.info(f"--resume latest: no checkpoint in {cfg.out_dir} yet, starting from step 0")
             return None
         expect = {"topology": self.meta["topology"], "algorithm": {"name": self.algo.name}}
-        resumed = restore_run(path, self.algo, expect, self.meta["model_signature"])
+        resumed = restore_run(path, self.algo, expect, self.meta["model_signature"], self.precision)
         self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
         counters = resumed.counters
         if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
@@ -197,10 +204,12 @@ class _Run:
         algo = self.algo
         counters = {"wall_s": self.wall(), "train_s": self.train_s, "ledger": algo.comm.ledger.state_dict(),
                     "clock": algo.comm.clock.totals()}
-        state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(),
+        state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(self.device),
                  "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()},
                  "position": {"step": self.step, "epoch": position[0], "batch": position[1]},
                  "counters": counters}
+        if self.cfg.precision != "fp32":
+            state["precision"] = self.precision.state_dict()
         try:
             path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
                                    keep_last=self.cfg.keep_last)
@@ -236,30 +245,32 @@ class _Run:
                 blocked, slept = clock.blocked_s, clock.slept_s
                 t0 = time.perf_counter()
                 algo.zero_grad()
-                loss, counts = task.loss(algo.model, batch)
-                loss.backward()
-                algo.step()
+                with self.precision.autocast():
+                    loss, counts = task.loss(algo.model, to_device(batch, self.device))
+                self.precision.backward(loss)
+                if self.precision.ready(algo.flat):
+                    algo.step()
                 elapsed = time.perf_counter() - t0
                 self.step += 1
                 step = self.step
                 self.train_s += elapsed
                 account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
-                loss_value = float(loss.detach())
+                window["loss"] += loss.detach().double()  # on the device: read at checks and log lines only
+                for k, v in counts.items():
+                    counters[k] = counters.get(k, 0) + (v.detach() if torch.is_tensor(v) else float(v))
                 finished_epoch = index + 1 == task.steps_per_epoch
                 position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
                 logging = step % cfg.log_every == 0 or step == total
                 saving = bool(cfg.save_every and step % cfg.save_every == 0)
                 signum = self.stop.signum if cfg.handle_signals else None
-                checked = algo.flat.data if logging or saving or signum or step == cfg.stop_at_step else None
-                verdict = agree(self.mpi_comm, signum, local_problem(loss_value, checked))
+                checking = logging or saving or signum or step == cfg.stop_at_step
+                problem = local_problem(float(window["loss"]), algo.flat.data) if checking else ""
+                verdict = agree(self.mpi_comm, signum, problem)
                 if verdict.problem:
                     self.metrics.write({"event": "diverged", "step": step, "rank": verdict.rank,
                                         "problem": verdict.problem})
-                    raise self._stopped(f"training diverged at step {step}: on rank {verdict.rank} the "
+                    raise self._stopped(f"training diverged by step {step}: on rank {verdict.rank} the "
                                         f"{verdict.problem} (lr {algo.lr:g}); nothing was saved after it")
-                window["loss"] += loss_value
-                for k, v in counts.items():
-                    counters[k] = counters.get(k, 0.0) + float(v)
                 if logging:
                     log_window(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
                          self.wall())
@@ -290,6 +301,8 @@ class _Run:
             self.save((epoch, 0))
         algo.close()
         summary = {"event": "end", "step": self.step, "total_steps": total, "stopped_by_signal": stopped_by,
+                   **({"loss_scale": self.precision.scale, "skipped_steps": self.precision.skipped}
+                      if cfg.precision == "fp16" else {}),
                    "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
                    **{f"net_{k}": v for k, v in clock.totals().items()}}
         self.metrics.write(summary)

@@ -82,8 +82,8 @@ def log_window(metrics, progress, mpi_comm, algo, step, epoch, window, counters,
     """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
     n = max(window["n"], 1)
     timings = ("compute_s", "comm_s", "wait_s", "step_s")
-    local = [window["loss"] / n] + [window[k] / n for k in timings]
-    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [counters.get(k, 0.0) for k in sorted(counters)]))]
+    local = [float(window["loss"]) / n] + [window[k] / n for k in timings]
+    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [float(counters[k]) for k in sorted(counters)]))]
     size = mpi_comm.Get_size()
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
               "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, map_location
 from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.tree import CheckpointError
 from ..errors import agreed_of, mark_agreed
@@ -46,11 +46,12 @@ def resolve_resume(resume: str, out_dir: str) -> Path | None:
     return path
 
 
-def restore_run(path: Path, algo, expect: dict, signature: str) -> Resumed:
-    """Collective: load ``path`` into ``algo`` (and the model's buffers, every RNG); the position to go on from.
+def restore_run(path: Path, algo, expect: dict, signature: str, precision) -> Resumed:
+    """Collective: load ``path`` into ``algo`` (the model's buffers, every RNG, the loss scale); where to go on.
 
-    ``expect`` is checked against the checkpoint's meta; ``signature`` (the model's) is compared
-    separately so a mismatch names the first parameter that differs.
+    Tensors land on the device of ``algo``'s parameters, whatever device wrote them. ``expect`` is checked
+    against the checkpoint's meta; ``signature`` (the model's) is compared separately so a mismatch names
+    the first parameter that differs.
     """
     try:
         state, meta = load_checkpoint(path, algo.comm, expect=expect)
@@ -63,9 +64,12 @@ def restore_run(path: Path, algo, expect: dict, signature: str) -> Resumed:
     problem = _signature_mismatch(str(meta.get("model_signature", "")), signature)
     if problem:
         raise _refusal(path, problem, algo, expect, damaged=False)
+    device = algo.flat.data.device
+    state = map_location(state, device)
     algo.load_state_dict(state["algorithm"])
     _load_buffers(algo.model, state["buffers"])
-    restore_rng_state(state["rng"])
+    restore_rng_state(state["rng"], device)
+    precision.load_state_dict(state.get("precision", {}))
     position = state["position"]
     return Resumed(Path(path), *(int(position[k]) for k in ("step", "epoch", "batch")),
                    counters=state.get("counters", {}))

@@ -1,0 +1,144 @@
+"""Pieces of ``bench/gpu_check.py``: ResNet-20 steps on a device, codec lists, device timing.
+
+``train(...)`` runs the training step the apps run (autocast, scaled backward, agreed overflow
+check, ``algo.step``) on the embedded digits, for a few steps, without the loop's logging and
+checkpoints, and returns this rank's losses and step times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "apps"))
+
+from data.image_task import ImageTask  # noqa: E402
+from data.images import load_digits32  # noqa: E402
+from models.resnet import build_model  # noqa: E402
+
+from mpicomm import topology  # noqa: E402
+from mpicomm.algorithms import make_algorithm  # noqa: E402
+from mpicomm.codecs import bitpack  # noqa: E402
+from mpicomm.comm import Communicator  # noqa: E402
+from mpicomm.training.device import place_task, to_device  # noqa: E402
+from mpicomm.training.precision import Precision  # noqa: E402
+
+# Every synchronous algorithm with options that make it train ResNet-20 in a few steps; "stochastic"
+# marks those whose random streams differ between devices (CPU and CUDA generators draw differently).
+ALGORITHMS = {
+    "dpsgd": ({"momentum": 0.9}, False),
+    "moniqua": ({"bits": 8}, False),
+    "moniqua_1bit": ({"bits": 1}, False),
+    "d2": ({}, False),
+    "moniqua_d2": ({"bits": 8}, False),
+    "choco": ({"codec": "qsgd", "codec_options": {"bits": 4}}, True),
+    "dcd": ({"codec": "sign"}, False),
+    "pdsgdm": ({"period": 2, "momentum": 0.9}, False),
+    "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
+    "allreduce_sgd": ({"momentum": 0.9}, False),
+    "qsgd": ({"bits": 4}, True),
+    "terngrad": ({}, True),
+    "signsgd": ({"lr": 1e-3}, False),
+    "ef_signsgd": ({}, False),
+    "compressed_sgd": ({"codec": "topk", "codec_options": {"ratio": 0.01}, "error_feedback": True}, False),
+    "hsq": ({"d": 8}, False),
+    "allreduce_adam": ({"lr": 1e-3}, False),
+    "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
+}
+
+
+def algorithm_name(key: str) -> str:
+    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``)."""
+    return "moniqua" if key == "moniqua_1bit" else key
+
+
+def bench_codecs(x_ref: dict) -> list:
+    """``(label, codec, target)`` from ``bench/codecs.py`` (loaded by path: its name shadows the stdlib's)."""
+    spec = importlib.util.spec_from_file_location("bench_codecs", os.path.join(ROOT, "bench", "codecs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.codecs(x_ref)
+
+
+@contextlib.contextmanager
+def torch_path(enabled: bool):
+    """Force the codecs' torch path (what CUDA tensors take) on the CPU when ``enabled``."""
+    with bitpack.use_backend("torch" if enabled else "auto"):
+        yield
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeat: int) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeat`` runs after one warm-up, synchronised."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+_DATA: list = []
+
+
+def _digits():
+    """The embedded digits, loaded once per process (a fresh copy of the tensors for every run)."""
+    if not _DATA:
+        _DATA.append(load_digits32())
+    d = _DATA[0]
+    return type(d)(d.x_train.clone(), d.y_train.clone(), d.x_test.clone(), d.y_test.clone(), d.name, d.flip)
+
+
+def train(mpi_comm, key: str, device: torch.device, steps: int, *, batch: int = 32, precision: str = "fp32",
+          stage: str = "auto", seed: int = 0, timed: bool = False) -> dict:
+    """Collective: ``steps`` steps of ResNet-20 with algorithm ``key``; this rank's losses (and step ms)."""
+    options, _ = ALGORITHMS[key]
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    torch.manual_seed(1_000_003 * seed + rank)
+    data = _digits()
+    task = ImageTask(build_model("resnet20", data.num_classes, seed=seed), data, rank=rank, size=size,
+                     batch_size=batch, seed=seed, augment_images=False, eval_limit=64)
+    place_task(task, device)
+    comm = Communicator(mpi_comm, topology.build("ring", size), stage=stage)
+    algo = make_algorithm(algorithm_name(key), task.model, comm, **{"lr": 0.05, **options})
+    prec = Precision(precision, device, comm)
+    losses, step_ms, epoch = [], [], 0
+    while len(losses) < steps:
+        for x in task.train_batches(epoch):
+            sync(device)
+            t0 = time.perf_counter()
+            algo.zero_grad()
+            with prec.autocast():
+                loss, _ = task.loss(algo.model, to_device(x, device))
+            prec.backward(loss)
+            if prec.ready(algo.flat):
+                algo.step()
+            if timed:
+                sync(device)
+                step_ms.append(1e3 * (time.perf_counter() - t0))
+            losses.append(loss.detach())
+            if len(losses) == steps:
+                break
+        epoch += 1
+    algo.close()
+    out = {"losses": [float(v) for v in losses], "finite": bool(torch.isfinite(torch.stack(losses)).all())}
+    if timed:
+        out["step_ms"] = statistics.median(step_ms[min(5, len(step_ms) - 1):])
+    if precision == "fp16":
+        out.update(loss_scale=prec.scale, skipped=prec.skipped)
+    return out
