@@ -55,7 +55,7 @@ def test_divergence_stops_every_rank_once_and_saves_nothing_after_it(tmp_path):
     records = strict_records(tmp_path / "metrics.jsonl")  # valid JSON: no bare NaN
     diverged = next(r for r in records if r["event"] == "diverged")
     step = diverged["step"]
-    assert f"training diverged at step {step}: on rank {diverged['rank']} the " in line
+    assert f"training diverged by step {step}: on rank {diverged['rank']} the " in line
     saved = sorted(p.name for p in tmp_path.glob("step-*"))
     assert saved and int(saved[-1][5:]) < step
     assert f"the last checkpoint is {tmp_path / saved[-1]} (--resume {tmp_path / saved[-1]})" in line
