@@ -23,6 +23,15 @@ Bias correction: vhat is exactly the denominator Adam used at its last warm-up s
 its step-T_w correction applied); m keeps Adam's 1 / (1 - b1^t) (-> 1 long before T_w ends). With an
 uncompressed exchange the compression phase would therefore be Adam with v frozen at T_w.
 
+``variant="deepspeed"`` reproduces DeepSpeed's 1-bit Adam (``OnebitAdam`` with its NCCL/MPI
+compressed allreduce) instead: (1) the worker compression uses *one* scale over the whole padded
+vector u_i, ||u_i||_2 / sqrt(D), not one per chunk (the server side keeps one scale per chunk, as
+DeepSpeed does); (2) no Adam bias correction anywhere: the warm-up is x <- x (1 - lr wd) - lr m /
+(sqrt(v) + eps) (not torch's AdamW), the frozen denominator is sqrt(v_Tw) + eps and the compression
+step is x <- x (1 - lr wd) - lr m / vhat. The one worker scale rides in the 4-byte header of each
+chunk's payload (DeepSpeed allgathers it separately), so the bytes are the default variant's; padding
+is zeroed in both error buffers as above (DeepSpeed lets it accumulate there; it never reaches x).
+
 Bytes per compression step and rank, P = 4 + L/8 (one float32 scale + L sign bits per chunk):
 alltoall contributes n P (sends (n - 1) P), allgather contributes P (sends (n - 1) P); an fp32
 allreduce sends 2 (n - 1)/n * 4 d, i.e. 4 d / (n P) ~ 32x more. Every buffer of the compression
@@ -46,6 +55,7 @@ __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
 _OPS = ("allreduce", "alltoall", "allgather")
 _DEFAULT_FRACTION = 0.2
+VARIANTS = ("paper", "deepspeed")
 
 
 def _check_count(name: str, value) -> None:
@@ -58,15 +68,19 @@ class APMSqueezeConfig(AdamConfig):
     """Adam options plus the warm-up: ``warmup_steps``, or ``warmup_fraction`` (default 0.2) of ``total_steps``.
 
     Give ``warmup_steps`` or ``total_steps`` (or both); the warm-up must leave at least one
-    compression step when ``total_steps`` is known.
+    compression step when ``total_steps`` is known. ``variant``: ``"paper"`` (default) or
+    ``"deepspeed"`` (one worker scale, no bias correction; see the module docstring).
     """
 
     warmup_steps: int | None = None
     warmup_fraction: float | None = None
     total_steps: int | None = None
+    variant: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         _check_count("warmup_steps", self.warmup_steps)
         _check_count("total_steps", self.total_steps)
         if self.warmup_fraction is not None:
@@ -126,6 +140,8 @@ class APMSqueeze(AllReduceAdam):
         self._gathered = torch.zeros(n, payload, **octets)
         self._frozen = False
         self._last_ops = dict.fromkeys(_OPS, 0)
+        self.deepspeed = self.config.variant == "deepspeed"
+        self._whole = torch.zeros(self.codec.payload_bytes(self.padded) if self.deepspeed else 0, **octets)
 
     @property
     def phase(self) -> str:
@@ -140,13 +156,49 @@ class APMSqueeze(AllReduceAdam):
             self._compressed_step(grad)
         self._last_ops = {op: self.comm.ledger.bytes_sent(op) - before[op] for op in _OPS}
 
+    def _adam_step(self, grad: torch.Tensor) -> None:
+        """The warm-up step: AdamW (paper variant), or Adam without bias correction (deepspeed variant)."""
+        if not self.deepspeed:
+            super()._adam_step(grad)
+            return
+        cfg, x = self.config, self.flat.data
+        self.comm.allreduce(grad)
+        grad.div_(self.comm.size)
+        state = self.optimizer.state[self.param]
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(x), exp_avg_sq=torch.zeros_like(x))
+        state["step"] += 1
+        state["exp_avg"].lerp_(grad, 1 - cfg.beta1)
+        state["exp_avg_sq"].mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+        if cfg.weight_decay:
+            x.mul_(1 - self.lr * cfg.weight_decay)
+        torch.sqrt(state["exp_avg_sq"], out=self._denom).add_(cfg.eps)
+        x.addcdiv_(state["exp_avg"], self._denom, value=-self.lr)
+
     def _freeze(self) -> None:
-        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps, once, into the preallocated denominator."""
+        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps (deepspeed: sqrt(v) + eps), once, into the denominator."""
         state = self.adam_state()
         t_w = float(state["step"])
         torch.sqrt(state["exp_avg_sq"], out=self._denom)
-        self._denom.div_((1 - self.config.beta2**t_w) ** 0.5).add_(self.config.eps)
+        if not self.deepspeed:
+            self._denom.div_((1 - self.config.beta2**t_w) ** 0.5)
+        self._denom.add_(self.config.eps)
         self._frozen = True
+
+    def _encode_worker(self, u: torch.Tensor, err: torch.Tensor) -> None:
+        """Chunk k of C(u) into ``_send[k]`` and C(u) into ``err`` (per-chunk scales, or one for deepspeed)."""
+        codec, L, n = self.codec, self.chunk, self.comm.size
+        if not self.deepspeed:
+            for k in range(n):
+                self._send[k].copy_(codec.encode(u[k * L:(k + 1) * L]))
+                codec.decode(self._send[k], L, out=err[k * L:(k + 1) * L])
+            return
+        whole = self._whole
+        whole.copy_(codec.encode(u))
+        codec.decode(whole, self.padded, out=err)
+        bits = whole[4:].view(n, L // 8)                         # chunk k's signs: bytes [k L/8, (k+1) L/8)
+        self._send[:, :4].copy_(whole[:4].expand(n, 4))
+        self._send[:, 4:].copy_(bits)
 
     def _compressed_step(self, grad: torch.Tensor) -> None:
         """One compression-phase step: worker compression, all-to-all, server compression, allgather, update."""
@@ -159,9 +211,7 @@ class APMSqueeze(AllReduceAdam):
         torch.lerp(m, grad, 1 - cfg.beta1, out=u[:d])          # m_i
         u[d:].zero_()                                            # padding (u held m-bar last step)
         u.add_(err)                                              # u_i = m_i + e_i
-        for k in range(n):
-            self._send[k].copy_(codec.encode(u[k * L:(k + 1) * L]))
-            codec.decode(self._send[k], L, out=err[k * L:(k + 1) * L])
+        self._encode_worker(u, err)
         torch.sub(u, err, out=err)                               # e_i = u_i - C(u_i)
         err[d:].zero_()
 
@@ -185,7 +235,8 @@ class APMSqueeze(AllReduceAdam):
         x = self.flat.data
         if cfg.weight_decay:
             x.mul_(1 - self.lr * cfg.weight_decay)
-        x.addcdiv_(m, self._denom, value=-self.lr / (1 - cfg.beta1 ** (self.step_count + 1)))
+        correction = 1.0 if self.deepspeed else 1 - cfg.beta1 ** (self.step_count + 1)
+        x.addcdiv_(m, self._denom, value=-self.lr / correction)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step), ``warmup_steps`` and bytes sent per collective.
