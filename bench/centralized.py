@@ -5,8 +5,9 @@
 Trains bench/common.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
 and reports final test loss/accuracy, bytes sent per rank, bits per parameter per step and wall time.
 SGD family (baseline AllReduce-SGD, SGD momentum 0.9): QSGD 2/8-bit, TernGrad, SignSGD (majority
-vote), EF-SignSGD, and HSQ (d = 8, 16, 64; greedy and unbiased) when ``hsq`` is registered. Adam family
-(baseline AllReduce-Adam): APMSqueeze when registered, with its compression-phase bytes per step.
+vote), EF-SignSGD, HSQ (d = 8, 16, 64; greedy and unbiased) when ``hsq`` is registered, PowerSGD rank 1
+and 4. Adam family (baseline AllReduce-Adam): APMSqueeze when registered, with its compression-phase
+bytes per step, and its DeepSpeed form (``variant="deepspeed"``).
 
 Bits per parameter per step are given twice, both from the Ledger: *contributed* (the payload a rank
 hands to MPI, what papers quote: 32 for an fp32 allreduce) and *sent* (what leaves the rank: an
@@ -48,13 +49,15 @@ SGD_CASES = [  # label, algorithm, options
 ] + [
     (f"HSQ d={d} {mode}", "hsq", {**SGD, "d": d, "mode": mode, "min_compress": 100})
     for mode in ("greedy", "unbiased") for d in (8, 16, 64)
-]
+] + [(f"PowerSGD r={r}", "powersgd", {**SGD, "rank": r}) for r in (1, 4)]
 
 
 def _adam_cases(total_steps: int) -> list[tuple[str, str, dict]]:
     return [
         ("AllReduce-Adam", "allreduce_adam", {"lr": 1e-3}),
         ("APMSqueeze", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps}),
+        ("1-bit Adam (DeepSpeed form)", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps,
+                                                       "variant": "deepspeed"}),
     ]
 
 
