@@ -11,7 +11,9 @@ the Ledger) and the ratio of bytes sent to the group's baseline. Groups:
 * centralized SGD (momentum 0.9, lr 0.1): AllReduce-SGD; PowerSGD rank 1, 2, 4 (error feedback,
   warm start, no fp32 warm-up; the 64 x 128 and 10 x 128 weights are compressed, biases sent in fp32);
 * decentralized SGD on a ring: D-PSGD; PowerGossip rank 1, 2, 4;
-* Adam (lr 1e-3): AllReduce-Adam; APMSqueeze (paper form) and its DeepSpeed 1-bit Adam form, 20 % warm-up.
+* Adam (lr 1e-3): AllReduce-Adam; APMSqueeze (paper form) and its DeepSpeed 1-bit Adam form, 20 % warm-up;
+  0/1 Adam (variance frozen after 20 % of the steps, local interval doubling every 5 %, up to 16);
+* LAMB (lr 0.01): LAMB; 1-bit LAMB with a 20 % LAMB warm-up.
 
 Writes bench/results/peers.json.
 """
@@ -33,6 +35,7 @@ from bench.common import DigitsData, run_case  # noqa: E402
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peers.json")
 BATCH = 16
 SGD = {"lr": 0.1, "momentum": 0.9}
+LAMB = {"lr": 0.01}
 
 
 def cases(total_steps: int) -> list[tuple[str, str, str, dict, str]]:
@@ -47,7 +50,17 @@ def cases(total_steps: int) -> list[tuple[str, str, str, dict, str]]:
         ("Adam", "AllReduce-Adam", "allreduce_adam", {"lr": 1e-3}, "ring"),
         ("Adam", "APMSqueeze", "apmsqueeze", adam, "ring"),
         ("Adam", "1-bit Adam (DeepSpeed form)", "apmsqueeze", {**adam, "variant": "deepspeed"}, "ring"),
+        ("Adam", "0/1 Adam", "zeroone_adam", {"lr": 1e-3, **zeroone_schedule(total_steps)}, "ring"),
+        ("LAMB", "LAMB", "lamb", LAMB, "ring"),
+        ("LAMB", "1-bit LAMB", "onebit_lamb", {**LAMB, "freeze_step": round(0.2 * total_steps)}, "ring"),
     ]
+
+
+def zeroone_schedule(total_steps: int) -> dict:
+    """0/1 Adam's schedules scaled to a short run: variance frozen after 20 % of the steps (kappa = 16),
+    the local interval doubling every 5 % of the steps up to H = 16."""
+    return {"var_freeze_step": round(0.2 * total_steps), "var_update_scaler": 16,
+            "local_step_scaler": max(1, round(0.05 * total_steps)), "local_step_clipper": 16}
 
 
 def main() -> None:

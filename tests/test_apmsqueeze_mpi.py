@@ -12,6 +12,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.codecs import SignCodec
 from mpicomm.comm import Communicator
 
+from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
 
@@ -199,29 +200,6 @@ def test_error_buffers_hold_what_the_compressor_dropped(comm):
     run_all(comm, body)
 
 
-def _least_squares(rank, rows=64, dim=10):
-    """This rank's share of y = A x* + noise (x* and noise fixed by seeds; rows differ per rank)."""
-    x_star = torch.linspace(-1, 1, dim)
-    g = torch.Generator().manual_seed(rank)
-    a = torch.randn(rows, dim, generator=g)
-    return a, a @ x_star + 0.05 * torch.randn(rows, generator=g)
-
-
-def _global_loss(algo, data):
-    a, y = data
-    with torch.no_grad():
-        local = torch.tensor([float((algo.model(a).squeeze(1) - y).pow(2).mean())], dtype=torch.float64)
-    return float(algo.comm.allreduce(local).item()) / algo.comm.size
-
-
-def _optimum(comm, data):
-    """The least-squares optimum L* over all ranks' rows (closed form, float64, with the bias column)."""
-    a, y = (torch.cat(comm.allgather(t)).double() for t in data)
-    a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
-    sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution
-    return float((a @ sol - y.unsqueeze(1)).pow(2).mean())
-
-
 def test_converges_like_allreduce_adam_on_least_squares(comm):
     """300 steps (60 warm-up), lr 0.02, batch 16: APMSqueeze within 10 % of AllReduce-Adam and of L*.
 
@@ -229,21 +207,15 @@ def test_converges_like_allreduce_adam_on_least_squares(comm):
     (2.62, 2.64, 2.59)e-3 at n = 4.
     """
     def body():
-        rank, steps = comm.Get_rank(), 300
-        data = _least_squares(rank)
+        steps = 300
+        shard = noisy_lsq.data(comm.Get_rank())
         finals = {}
         for name, extra in (("allreduce_adam", {}), ("apmsqueeze", {"total_steps": steps})):
             torch.manual_seed(0)
-            model = torch.nn.Linear(10, 1)
-            algo = make_algorithm(name, model, _comm(comm), lr=0.02, **extra)
-            for _ in range(steps):
-                idx = torch.Generator().manual_seed(1000 * rank + algo.step_count)
-                pick = torch.randint(0, 64, (16,), generator=idx)
-                algo.zero_grad()
-                (model(data[0][pick]).squeeze(1) - data[1][pick]).pow(2).mean().backward()
-                algo.step()
-            finals[name] = _global_loss(algo, data)
-        best = _optimum(comm, data)
+            algo = make_algorithm(name, torch.nn.Linear(10, 1), _comm(comm), lr=0.02, **extra)
+            noisy_lsq.train(algo, shard, steps)
+            finals[name] = noisy_lsq.global_loss(algo, shard)
+        best = noisy_lsq.optimum(comm, shard)
         assert finals["allreduce_adam"] <= 1.1 * best, (finals, best)
         assert finals["apmsqueeze"] <= 1.1 * best, (finals, best)
         assert finals["apmsqueeze"] <= 1.1 * finals["allreduce_adam"], (finals, best)

@@ -10,7 +10,7 @@ from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
 from mpicomm.comm import Communicator
 
-from . import lsq_problem as lsq
+from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
 from .onebit_reference import onebit_average
@@ -137,17 +137,25 @@ def test_bytes_match_the_formula(comm):
     run_all(comm, body)
 
 
-def test_converges_on_least_squares(comm):
-    """300 full-batch steps, lr 0.05 decaying, 1-bit LAMB freezing after 100: both within 1 % of F*."""
+def test_converges_like_lamb_on_least_squares(comm):
+    """300 mini-batch steps, lr 0.1 / (1 + t / 30), 1-bit LAMB freezing after 60: 1-bit LAMB within 20 % of L*
+    and no more than 10 % above LAMB; LAMB itself within 2x of L* (near the optimum ||update|| is mostly
+    mini-batch noise, the trust ratio climbs towards max_coeff and leaves a noise floor; 1-bit LAMB's ratios
+    are frozen from the warm-up). Measured (LAMB, 1-bit LAMB, L*): (3.85, 2.50, 2.20)e-3 at n = 1,
+    (3.90, 2.47, 2.28)e-3 at n = 2."""
     def body():
-        n = comm.Get_size()
+        steps = 300
+        shard = noisy_lsq.data(comm.Get_rank())
         finals = {}
-        for name, extra in (("lamb", {}), ("onebit_lamb", {"freeze_step": 100})):
-            algo = make_algorithm(name, lsq.make_model(), _comm(comm), lr=0.05, **extra)
-            lsq.train(algo, 300, lr=lambda t: 0.05 / (1 + t / 100))
-            finals[name] = lsq.objective(algo.consensus_model(), n)
-        best = lsq.objective(lsq.optimum(n), n)
-        assert max(finals.values()) <= 1.01 * best, (finals, best)
+        for name, extra in (("lamb", {}), ("onebit_lamb", {"freeze_step": 60})):
+            torch.manual_seed(0)
+            algo = make_algorithm(name, torch.nn.Linear(10, 1), _comm(comm), lr=0.1, **extra)
+            noisy_lsq.train(algo, shard, steps, lr=lambda t: 0.1 / (1 + t / 30))
+            finals[name] = noisy_lsq.global_loss(algo, shard)
+        best = noisy_lsq.optimum(comm, shard)
+        assert finals["lamb"] <= 2.0 * best, (finals, best)
+        assert finals["onebit_lamb"] <= 1.2 * best, (finals, best)
+        assert finals["onebit_lamb"] <= 1.1 * finals["lamb"], (finals, best)
 
     run_all(comm, body)
 
