@@ -5,8 +5,10 @@
 Trains bench/common.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
 and reports final test loss/accuracy, bytes sent per rank, bits per parameter per step and wall time.
 SGD family (baseline AllReduce-SGD, SGD momentum 0.9): QSGD 2/8-bit, TernGrad, SignSGD (majority
-vote), EF-SignSGD, and HSQ (d = 8, 16, 64; greedy and unbiased) when ``hsq`` is registered. Adam family
-(baseline AllReduce-Adam): APMSqueeze when registered, with its compression-phase bytes per step.
+vote), EF-SignSGD, HSQ (d = 8, 16, 64; greedy and unbiased) when ``hsq`` is registered, PowerSGD rank 1
+and 4. Adam family (baseline AllReduce-Adam): APMSqueeze when registered, with its compression-phase
+bytes per step, its DeepSpeed form (``variant="deepspeed"``), 0/1 Adam (schedules of
+``bench.peers.zeroone_schedule``), LAMB and 1-bit LAMB (lr 0.01, 20 % LAMB warm-up).
 
 Bits per parameter per step are given twice, both from the Ledger: *contributed* (the payload a rank
 hands to MPI, what papers quote: 32 for an fp32 allreduce) and *sent* (what leaves the rank: an
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 from bench.common import DigitsData, benchmark_options, report, run_case  # noqa: E402
+from bench.peers import zeroone_schedule  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "centralized.json")
@@ -48,13 +51,18 @@ SGD_CASES = [  # label, algorithm, options
 ] + [
     (f"HSQ d={d} {mode}", "hsq", {**SGD, "d": d, "mode": mode, "min_compress": 100})
     for mode in ("greedy", "unbiased") for d in (8, 16, 64)
-]
+] + [(f"PowerSGD r={r}", "powersgd", {**SGD, "rank": r}) for r in (1, 4)]
 
 
 def _adam_cases(total_steps: int) -> list[tuple[str, str, dict]]:
     return [
         ("AllReduce-Adam", "allreduce_adam", {"lr": 1e-3}),
         ("APMSqueeze", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps}),
+        ("1-bit Adam (DeepSpeed form)", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps,
+                                                       "variant": "deepspeed"}),
+        ("0/1 Adam", "zeroone_adam", {"lr": 1e-3, **zeroone_schedule(total_steps)}),
+        ("LAMB", "lamb", {"lr": 0.01}),
+        ("1-bit LAMB", "onebit_lamb", {"lr": 0.01, "freeze_step": round(0.2 * total_steps)}),
     ]
 
 

@@ -6,7 +6,8 @@ Trains bench/common.py's 64-128-10 MLP (9,610 parameters) on every rank's IID sh
 with SGD momentum 0.9, batch 16, on a ring of all ranks, and reports the consensus (average) model's
 final test loss/accuracy, bytes sent per rank, their ratio to D-PSGD's, bits per parameter per step and
 wall time. Rows: D-PSGD (the baseline), Moniqua 1/2/8-bit (when ``moniqua`` is registered), CHOCO-SGD
-and DCD-PSGD with the same two codecs (1-bit sign+scale; 4-bit QSGD), PD-SGDM and CPD-SGDM (p = 4).
+and DCD-PSGD with the same two codecs (1-bit sign+scale; 4-bit QSGD), PD-SGDM and CPD-SGDM (p = 4),
+PowerGossip rank 1 and 4.
 
 Bytes: the Ledger's bytes *sent* (what leaves a rank), read by ``run_case`` before its final
 evaluation, so they are training traffic only.
@@ -42,6 +43,7 @@ CASES = [  # label, algorithm, options
     ("DCD qsgd 4-bit", "dcd", {**SGD, **QSGD4}),
     ("PD-SGDM p=4", "pdsgdm", {**SGD, "period": 4}),
     ("CPD-SGDM sign p=4", "cpdsgdm", {**SGD, **SIGN, "period": 4, "gamma": 0.4}),
+    *[(f"PowerGossip r={r}", "powergossip", {**SGD, "rank": r}) for r in (1, 4)],
 ]
 
 

@@ -12,6 +12,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.codecs import SignCodec
 from mpicomm.comm import Communicator
 
+from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
 
@@ -28,11 +29,16 @@ def sign_compress(x):
     return torch.where(x >= 0, s, -s)
 
 
-def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                         deepspeed=False):
     """All n ranks in one process: Adam for ``warmup`` steps, then the two-sided 1-bit exchange.
 
-    Returns, after every step, (x, m, worker errors (n, D), server errors (n, L)); server k owns chunk k.
+    ``deepspeed``: DeepSpeed's 1-bit Adam instead (one worker scale over the padded vector, no bias
+    correction). Returns, after every step, (x, m, worker errors (n, D), server errors (n, L)); server
+    k owns chunk k.
     """
+    c1 = (lambda t: 1.0) if deepspeed else (lambda t: 1 - beta1**t)
+    c2 = (lambda t: 1.0) if deepspeed else (lambda t: 1 - beta2**t)
     x = initial_flat()
     d = x.numel()
     L = 8 * math.ceil(d / (8 * n))
@@ -47,16 +53,18 @@ def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8,
             g = torch.stack(grads).mean(0)
             m = beta1 * m + (1 - beta1) * g
             v = beta2 * v + (1 - beta2) * g * g
-            x = x - lr / (1 - beta1**t) * m / (v.sqrt() / math.sqrt(1 - beta2**t) + eps)
+            x = x - lr / c1(t) * m / (v.sqrt() / math.sqrt(c2(t)) + eps)
         else:
             if denom is None:  # v frozen with the bias correction of step T_w
-                denom = v.sqrt() / math.sqrt(1 - beta2**warmup) + eps
+                denom = v.sqrt() / math.sqrt(c2(warmup)) + eps
             sent = torch.zeros(n, D)
             for i in range(n):
                 u = torch.zeros(D)
                 u[:d] = beta1 * m + (1 - beta1) * grads[i]
                 u = u + e[i]
-                for k in range(n):
+                if deepspeed:
+                    sent[i] = sign_compress(u)
+                for k in range(n * (not deepspeed)):
                     sent[i, k * L:(k + 1) * L] = sign_compress(u[k * L:(k + 1) * L])
                 e[i] = u - sent[i]
                 e[i, d:] = 0
@@ -71,7 +79,7 @@ def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8,
                 e_srv[k, real:] = 0
                 m_bar[k * L:(k + 1) * L] = c
             m = m_bar[:d]
-            x = x - lr / (1 - beta1**t) * m / denom
+            x = x - lr / c1(t) * m / denom
         out.append((x, m, e.clone(), e_srv.clone()))
     return out
 
@@ -93,13 +101,14 @@ def test_warmup_is_allreduce_adam_bit_for_bit(comm):
     run_all(comm, body)
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_apmsqueeze_matches_reference_step_by_step(comm, weight_decay):
+@pytest.mark.parametrize("weight_decay, variant", [(0.0, "paper"), (0.05, "paper"), (0.05, "deepspeed")])
+def test_apmsqueeze_matches_reference_step_by_step(comm, weight_decay, variant):
     def body():
         n, rank, warmup, steps = comm.Get_size(), comm.Get_rank(), 3, 9
         options = {"lr": 0.01, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": weight_decay}
-        algo = make_algorithm("apmsqueeze", make_model(seed=rank), _comm(comm), warmup_steps=warmup, **options)
-        expected = reference_apmsqueeze(n, warmup, steps, **options)
+        algo = make_algorithm("apmsqueeze", make_model(seed=rank), _comm(comm), warmup_steps=warmup,
+                              variant=variant, **options)
+        expected = reference_apmsqueeze(n, warmup, steps, **options, deepspeed=variant == "deepspeed")
         tol = {"rtol": 1e-5, "atol": 1e-6}
         for t, (x, m, e, e_srv) in enumerate(expected, start=1):
             train(algo, 1)
@@ -126,10 +135,11 @@ def _wide_train(algo, steps):
         algo.step()
 
 
-def test_bytes_per_phase_match_the_formula(comm):
+@pytest.mark.parametrize("variant", ["paper", "deepspeed"])
+def test_bytes_per_phase_match_the_formula(comm, variant):
     def body():
         n = comm.Get_size()
-        algo = make_algorithm("apmsqueeze", _wide_model(), _comm(comm), lr=0.01, warmup_steps=2)
+        algo = make_algorithm("apmsqueeze", _wide_model(), _comm(comm), lr=0.01, warmup_steps=2, variant=variant)
         d = algo.flat.numel
         L = 8 * math.ceil(d / (8 * n))
         P = 4 + L // 8                                   # one float32 scale + L sign bits
@@ -191,29 +201,6 @@ def test_error_buffers_hold_what_the_compressor_dropped(comm):
     run_all(comm, body)
 
 
-def _least_squares(rank, rows=64, dim=10):
-    """This rank's share of y = A x* + noise (x* and noise fixed by seeds; rows differ per rank)."""
-    x_star = torch.linspace(-1, 1, dim)
-    g = torch.Generator().manual_seed(rank)
-    a = torch.randn(rows, dim, generator=g)
-    return a, a @ x_star + 0.05 * torch.randn(rows, generator=g)
-
-
-def _global_loss(algo, data):
-    a, y = data
-    with torch.no_grad():
-        local = torch.tensor([float((algo.model(a).squeeze(1) - y).pow(2).mean())], dtype=torch.float64)
-    return float(algo.comm.allreduce(local).item()) / algo.comm.size
-
-
-def _optimum(comm, data):
-    """The least-squares optimum L* over all ranks' rows (closed form, float64, with the bias column)."""
-    a, y = (torch.cat(comm.allgather(t)).double() for t in data)
-    a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
-    sol = torch.linalg.lstsq(a, y.unsqueeze(1)).solution
-    return float((a @ sol - y.unsqueeze(1)).pow(2).mean())
-
-
 def test_converges_like_allreduce_adam_on_least_squares(comm):
     """300 steps (60 warm-up), lr 0.02, batch 16: APMSqueeze within 10 % of AllReduce-Adam and of L*.
 
@@ -221,21 +208,15 @@ def test_converges_like_allreduce_adam_on_least_squares(comm):
     (2.62, 2.64, 2.59)e-3 at n = 4.
     """
     def body():
-        rank, steps = comm.Get_rank(), 300
-        data = _least_squares(rank)
+        steps = 300
+        shard = noisy_lsq.data(comm.Get_rank())
         finals = {}
         for name, extra in (("allreduce_adam", {}), ("apmsqueeze", {"total_steps": steps})):
             torch.manual_seed(0)
-            model = torch.nn.Linear(10, 1)
-            algo = make_algorithm(name, model, _comm(comm), lr=0.02, **extra)
-            for _ in range(steps):
-                idx = torch.Generator().manual_seed(1000 * rank + algo.step_count)
-                pick = torch.randint(0, 64, (16,), generator=idx)
-                algo.zero_grad()
-                (model(data[0][pick]).squeeze(1) - data[1][pick]).pow(2).mean().backward()
-                algo.step()
-            finals[name] = _global_loss(algo, data)
-        best = _optimum(comm, data)
+            algo = make_algorithm(name, torch.nn.Linear(10, 1), _comm(comm), lr=0.02, **extra)
+            noisy_lsq.train(algo, shard, steps)
+            finals[name] = noisy_lsq.global_loss(algo, shard)
+        best = noisy_lsq.optimum(comm, shard)
         assert finals["allreduce_adam"] <= 1.1 * best, (finals, best)
         assert finals["apmsqueeze"] <= 1.1 * best, (finals, best)
         assert finals["apmsqueeze"] <= 1.1 * finals["allreduce_adam"], (finals, best)
@@ -243,11 +224,11 @@ def test_converges_like_allreduce_adam_on_least_squares(comm):
     run_all(comm, body)
 
 
-@pytest.mark.parametrize("warmup", [2, 4])
-def test_state_round_trip_is_bit_exact_across_the_switch(comm, warmup):
+@pytest.mark.parametrize("warmup, variant", [(2, "paper"), (4, "paper"), (4, "deepspeed")])
+def test_state_round_trip_is_bit_exact_across_the_switch(comm, warmup, variant):
     """3 + 3 steps == 6 steps; saved in compression (warm-up 2) or resumed across the switch (warm-up 4)."""
     def body():
-        options = {"lr": 0.01, "weight_decay": 0.01, "warmup_steps": warmup}
+        options = {"lr": 0.01, "weight_decay": 0.01, "warmup_steps": warmup, "variant": variant}
         straight = make_algorithm("apmsqueeze", make_model(), _comm(comm), **options)
         train(straight, 6)
         first = make_algorithm("apmsqueeze", make_model(), _comm(comm), **options)
@@ -299,6 +280,7 @@ def test_switch_allocates_no_more_than_a_steady_compression_step(comm):
     ({"warmup_steps": 2, "beta2": 1.5}, r"beta2 must be in \[0.0, 1.0\)"),
     ({"warmup_steps": 2, "eps": 0.0}, r"eps must be in \(0.0, inf\)"),
     ({"warmup_steps": 2, "eps": -1e-8}, r"eps must be in \(0.0, inf\)"),
+    ({"warmup_steps": 2, "variant": "onebit"}, r"variant must be one of \('paper', 'deepspeed'\)"),
 ])
 def test_bad_config_fails_on_every_rank(comm, option, message):
     def body():

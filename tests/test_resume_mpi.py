@@ -27,6 +27,10 @@ OPTIONS = {
     "hsq": {"min_compress": 10, "d": 4, "K": 16},
     "cpdsgdm": {"period": 2},
     "pdsgdm": {"period": 2},
+    "powersgd": {"warmup_steps": 2, "min_compression_rate": 1.0},
+    "powergossip": {"min_compression_rate": 1.0},
+    "zeroone_adam": {"var_freeze_step": 3, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4},
+    "onebit_lamb": {"freeze_step": 3},
 }
 ASYNC = {"adpsgd", "moniqua_adpsgd"}  # timing-dependent by design: their state round trip is tested elsewhere
 

@@ -8,27 +8,29 @@ Warm-up, steps t = 1 .. T_w: exactly :class:`~mpicomm.algorithms.adam.AllReduceA
 method runs, so the iterates are bit-identical). From step T_w + 1 on, v is frozen and, on rank i::
 
     m_i   = b1 m + (1 - b1) g_i                     # m: the shared momentum of the last step
-    u_i   = m_i + e_i;   e_i <- u_i - C(u_i)          # worker error feedback, full vector, per chunk
-    phase 1: rank i sends chunk k of C(u_i) to rank k (all-to-all); rank k is the server of chunk k
-    s_k   = (1/n) sum_j C(u_j)[k] + e'_k;   e'_k <- s_k - C(s_k)   # server error feedback
-    phase 2: allgather of the n server chunks C(s_k);   m <- concat_k C(s_k)   (identical everywhere)
+    m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average (.onebit)
     x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = sqrt(v_Tw) / sqrt(1 - b2^T_w) + eps
 
-C is ``SignCodec(scale="l2")``: C(x) = (||x||_2 / sqrt(len x)) sign(x), sign(0) = +1, one scale per
-chunk. The vector is zero-padded to D = n L elements, L = 8 ceil(d / (8 n)), and cut into n chunks
-of L; padding positions are zero in u and in the server input, and are zeroed in both error buffers
-after every step, so they never reach m or x (they only count in the length of the last scale).
+The exchange (worker compression per chunk, all-to-all, server compression, allgather), its padding
+and its error buffers are :class:`~mpicomm.algorithms.onebit.OneBitAverage`'s; ``worker_error``,
+``server_error``, ``chunk``, ``padded`` and ``chunk_payload`` are its attributes, shown here.
 
 Bias correction: vhat is exactly the denominator Adam used at its last warm-up step (v frozen with
 its step-T_w correction applied); m keeps Adam's 1 / (1 - b1^t) (-> 1 long before T_w ends). With an
 uncompressed exchange the compression phase would therefore be Adam with v frozen at T_w.
 
+``variant="deepspeed"`` reproduces DeepSpeed's 1-bit Adam (``OnebitAdam`` with its NCCL/MPI
+compressed allreduce) instead: (1) the worker compression uses *one* scale over the whole padded
+vector u_i, ||u_i||_2 / sqrt(D), not one per chunk (the server side keeps one scale per chunk, as
+DeepSpeed does); (2) no Adam bias correction anywhere: the warm-up is x <- x (1 - lr wd) - lr m /
+(sqrt(v) + eps) (not torch's AdamW), the frozen denominator is sqrt(v_Tw) + eps and the compression
+step is x <- x (1 - lr wd) - lr m / vhat. Padding is zeroed in both error buffers (DeepSpeed lets it
+accumulate there; it never reaches x).
+
 Bytes per compression step and rank, P = 4 + L/8 (one float32 scale + L sign bits per chunk):
 alltoall contributes n P (sends (n - 1) P), allgather contributes P (sends (n - 1) P); an fp32
 allreduce sends 2 (n - 1)/n * 4 d, i.e. 4 d / (n P) ~ 32x more. Every buffer of the compression
-phase (2 D + 3 L + d floats, (3 n + 1) P bytes) is allocated at construction, so the switch adds no
-allocation; the codec's own per-call temporaries (SignCodec.encode returns a fresh P-byte payload,
-copied into place) are the same in every compression step.
+phase is allocated at construction, so the switch adds no allocation.
 """
 
 from __future__ import annotations
@@ -37,15 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import SignCodec
 from .adam import AdamConfig, AllReduceAdam
 from .base import check_range
+from .onebit import OneBitAverage
 from .registry import register
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
 _OPS = ("allreduce", "alltoall", "allgather")
 _DEFAULT_FRACTION = 0.2
+VARIANTS = ("paper", "deepspeed")
 
 
 def _check_count(name: str, value) -> None:
@@ -60,14 +63,19 @@ class APMSqueezeConfig(AdamConfig):
     warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
     a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
     (the apps fill it in).
+    variant: "paper" (default) or "deepspeed" (one worker scale, no bias correction; see the module
+    docstring).
     """
 
     warmup_steps: int | None = None
     warmup_fraction: float | None = None
     total_steps: int | None = None
+    variant: str = "paper"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
         _check_count("warmup_steps", self.warmup_steps)
         _check_count("total_steps", self.total_steps)
         if self.warmup_fraction is not None:
@@ -106,27 +114,18 @@ class APMSqueeze(AllReduceAdam):
         if self.flat.data.dtype != torch.float32:
             raise TypeError(f"apmsqueeze needs float32 parameters (the sign codec decodes to float32), "
                             f"got {self.flat.data.dtype}")
-        n, d, rank = self.comm.size, self.flat.numel, self.comm.rank
         self.warmup = self.config.warmup
-        self.codec = SignCodec(scale="l2")
-        self.chunk = 8 * -(-d // (8 * n))
-        self.padded = n * self.chunk
-        self._real = min(max(d - rank * self.chunk, 0), self.chunk)  # unpadded length of the chunk I serve
-        self.chunk_payload = payload = self.codec.payload_bytes(self.chunk)  # P = 4 + L / 8
-        floats = {"dtype": torch.float32, "device": self.flat.data.device}
-        octets = {"dtype": torch.uint8, "device": self.flat.data.device}
-        self.worker_error = torch.zeros(self.padded, **floats)
-        self.server_error = torch.zeros(self.chunk, **floats)
-        self._u = torch.zeros(self.padded, **floats)
-        self._server = torch.zeros(self.chunk, **floats)
-        self._scratch = torch.zeros(self.chunk, **floats)
-        self._denom = torch.zeros(d, **floats)
-        self._send = torch.zeros(n, payload, **octets)
-        self._recv = torch.zeros(n, payload, **octets)
-        self._server_payload = torch.zeros(payload, **octets)
-        self._gathered = torch.zeros(n, payload, **octets)
+        self.deepspeed = self.config.variant == "deepspeed"
+        self.onebit = OneBitAverage(self.comm, self.flat.numel, self.flat.data.device, one_worker_scale=self.deepspeed)
+        self._denom = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.data.device)
         self._frozen = False
         self._last_ops = dict.fromkeys(_OPS, 0)
+
+    worker_error = property(lambda self: self.onebit.worker_error, doc="The worker error e_i (padded).")
+    server_error = property(lambda self: self.onebit.server_error, doc="The server error e'_k of my chunk.")
+    chunk = property(lambda self: self.onebit.chunk, doc="L, the elements per chunk.")
+    padded = property(lambda self: self.onebit.padded, doc="D = n L.")
+    chunk_payload = property(lambda self: self.onebit.chunk_payload, doc="P = 4 + L / 8 bytes.")
 
     @property
     def phase(self) -> str:
@@ -141,52 +140,48 @@ class APMSqueeze(AllReduceAdam):
             self._compressed_step(grad)
         self._last_ops = {op: self.comm.ledger.bytes_sent(op) - before[op] for op in _OPS}
 
+    def _adam_step(self, grad: torch.Tensor) -> None:
+        """The warm-up step: AdamW (paper variant), or Adam without bias correction (deepspeed variant)."""
+        if not self.deepspeed:
+            super()._adam_step(grad)
+            return
+        cfg, x = self.config, self.flat.data
+        self.comm.allreduce(grad)
+        grad.div_(self.comm.size)
+        state = self.optimizer.state[self.param]
+        if not state:
+            state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(x), exp_avg_sq=torch.zeros_like(x))
+        state["step"] += 1
+        state["exp_avg"].lerp_(grad, 1 - cfg.beta1)
+        state["exp_avg_sq"].mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+        if cfg.weight_decay:
+            x.mul_(1 - self.lr * cfg.weight_decay)
+        torch.sqrt(state["exp_avg_sq"], out=self._denom).add_(cfg.eps)
+        x.addcdiv_(state["exp_avg"], self._denom, value=-self.lr)
+
     def _freeze(self) -> None:
-        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps, once, into the preallocated denominator."""
+        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps (deepspeed: sqrt(v) + eps), once, into the denominator."""
         state = self.adam_state()
         t_w = float(state["step"])
         torch.sqrt(state["exp_avg_sq"], out=self._denom)
-        self._denom.div_((1 - self.config.beta2**t_w) ** 0.5).add_(self.config.eps)
+        if not self.deepspeed:
+            self._denom.div_((1 - self.config.beta2**t_w) ** 0.5)
+        self._denom.add_(self.config.eps)
         self._frozen = True
 
     def _compressed_step(self, grad: torch.Tensor) -> None:
-        """One compression-phase step: worker compression, all-to-all, server compression, allgather, update."""
+        """One compression-phase step: m_i into the exchange, the 1-bit average becomes m, update x."""
         if not self._frozen:
             self._freeze()
-        cfg, codec = self.config, self.codec
-        n, d, L, rank = self.comm.size, self.flat.numel, self.chunk, self.comm.rank
+        cfg = self.config
         m = self.adam_state()["exp_avg"]
-        u, err = self._u, self.worker_error
-        torch.lerp(m, grad, 1 - cfg.beta1, out=u[:d])          # m_i
-        u[d:].zero_()                                            # padding (u held m-bar last step)
-        u.add_(err)                                              # u_i = m_i + e_i
-        for k in range(n):
-            self._send[k].copy_(codec.encode(u[k * L:(k + 1) * L]))
-            codec.decode(self._send[k], L, out=err[k * L:(k + 1) * L])
-        torch.sub(u, err, out=err)                               # e_i = u_i - C(u_i)
-        err[d:].zero_()
-
-        received = self.comm.alltoall(self._send, out=self._recv)
-        server = self._server.zero_()
-        for j in range(n):
-            server.add_(codec.decode(received[j], L, out=self._scratch))
-        server.div_(n)
-        server[self._real:].zero_()
-        server.add_(self.server_error)                          # s_k = average + e'_k
-        self._server_payload.copy_(codec.encode(server))
-
-        gathered = self.comm.allgather(self._server_payload, out=self._gathered)
-        mbar = u                                                 # u is free again: reuse it for m
-        for k in range(n):
-            codec.decode(gathered[k], L, out=mbar[k * L:(k + 1) * L])
-        torch.sub(server, mbar[rank * L:(rank + 1) * L], out=self.server_error)
-        self.server_error[self._real:].zero_()                  # e'_k = s_k - C(s_k)
-        m.copy_(mbar[:d])
-
+        torch.lerp(m, grad, 1 - cfg.beta1, out=self.onebit.input)   # m_i
+        m.copy_(self.onebit.average())
         x = self.flat.data
         if cfg.weight_decay:
             x.mul_(1 - self.lr * cfg.weight_decay)
-        x.addcdiv_(m, self._denom, value=-self.lr / (1 - cfg.beta1 ** (self.step_count + 1)))
+        correction = 1.0 if self.deepspeed else 1 - cfg.beta1 ** (self.step_count + 1)
+        x.addcdiv_(m, self._denom, value=-self.lr / correction)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step), ``warmup_steps`` and bytes sent per collective.
@@ -203,20 +198,13 @@ class APMSqueeze(AllReduceAdam):
 
     def _extra_state(self):
         out = super()._extra_state()
-        out.update(phase=self.phase, worker_error=self.worker_error.clone(), server_error=self.server_error.clone())
+        out.update(phase=self.phase, **self.onebit.state_dict())
         return out
 
     def _load_extra_state(self, extra):
-        for key, buf in (("worker_error", self.worker_error), ("server_error", self.server_error)):
-            if tuple(extra[key].shape) != tuple(buf.shape):
-                raise ValueError(
-                    f"state's {key} has shape {tuple(extra[key].shape)}, expected {tuple(buf.shape)}: "
-                    f"it was saved with a different number of ranks or model"
-                )
         if extra["phase"] != self.phase:
             raise ValueError(f"state says phase {extra['phase']!r} at step {self.step_count}, "
                              f"but the warm-up of {self.warmup} steps puts it in {self.phase!r}")
+        self.onebit.load_state_dict(extra)
         super()._load_extra_state(extra)
-        self.worker_error.copy_(extra["worker_error"])
-        self.server_error.copy_(extra["server_error"])
         self._frozen = False

@@ -1,0 +1,116 @@
+"""The two-sided error-compensated 1-bit average of APMSqueeze / 1-bit Adam, 0/1 Adam and 1-bit LAMB.
+
+Tang et al., "APMSqueeze", arXiv:2008.11343, 2020; Tang et al., "1-bit Adam", ICML 2021. On rank i,
+with the vector u_i written into :attr:`OneBitAverage.input` (d floats)::
+
+    u_i  <- u_i + e_i;   e_i <- u_i - C(u_i)          # worker error feedback, on the padded vector
+    phase 1: rank i sends chunk k of C(u_i) to rank k (all-to-all); rank k is the server of chunk k
+    s_k   = (1/n) sum_j C(u_j)[k] + e'_k;   e'_k <- s_k - C(s_k)   # server error feedback
+    phase 2: allgather of the n server chunks;   result = concat_k C(s_k)   (identical everywhere)
+
+C is ``SignCodec(scale="l2")``: C(x) = (||x||_2 / sqrt(len x)) sign(x), sign(0) = +1. The vector is
+zero-padded to D = n L elements, L = 8 ceil(d / (8 n)), and cut into n chunks of L; padding positions
+are zero in u and in the server input and are zeroed in both error buffers after every call, so they
+never reach the result. ``one_worker_scale=False`` (APMSqueeze's paper form): the worker compresses
+each chunk with its own scale; ``True`` (DeepSpeed's compressed allreduce): one scale
+||u_i||_2 / sqrt(D) over the whole padded vector, carried in the 4-byte header of every chunk's
+payload (DeepSpeed allgathers it separately), so the bytes are the same.
+
+Bytes per call and rank, P = 4 + L/8: the alltoall contributes n P (sends (n - 1) P), the allgather
+P (sends (n - 1) P). Every buffer (2 D + 3 L floats, (3 n + 1) P bytes, plus one D-element payload
+for one_worker_scale) is allocated at construction; the codec's own per-call temporaries are the same
+in every call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs import SignCodec
+
+__all__ = ["OneBitAverage"]
+
+
+class OneBitAverage:
+    """Error-compensated 1-bit average of a d-vector over all ranks of ``comm`` (see the module docstring)."""
+
+    def __init__(self, comm, numel: int, device, one_worker_scale: bool = False):
+        n, d, rank = comm.size, numel, comm.rank
+        self.comm, self.numel, self.one_worker_scale = comm, d, one_worker_scale
+        self.codec = SignCodec(scale="l2")
+        self.chunk = 8 * -(-d // (8 * n))
+        self.padded = n * self.chunk
+        self._real = min(max(d - rank * self.chunk, 0), self.chunk)  # unpadded length of the chunk I serve
+        self.chunk_payload = payload = self.codec.payload_bytes(self.chunk)  # P = 4 + L / 8
+        floats = {"dtype": torch.float32, "device": device}
+        octets = {"dtype": torch.uint8, "device": device}
+        self.worker_error = torch.zeros(self.padded, **floats)
+        self.server_error = torch.zeros(self.chunk, **floats)
+        self._u = torch.zeros(self.padded, **floats)
+        self._server = torch.zeros(self.chunk, **floats)
+        self._scratch = torch.zeros(self.chunk, **floats)
+        self._send = torch.zeros(n, payload, **octets)
+        self._recv = torch.zeros(n, payload, **octets)
+        self._server_payload = torch.zeros(payload, **octets)
+        self._gathered = torch.zeros(n, payload, **octets)
+        self._whole = torch.zeros(self.codec.payload_bytes(self.padded) if one_worker_scale else 0, **octets)
+
+    @property
+    def input(self) -> torch.Tensor:
+        """The d-element view to write u_i into before :meth:`average` (overwritten by the result)."""
+        return self._u[:self.numel]
+
+    def _encode_worker(self, u: torch.Tensor, err: torch.Tensor) -> None:
+        """Chunk k of C(u) into ``_send[k]`` and C(u) into ``err`` (one scale per chunk, or one in all)."""
+        codec, L, n = self.codec, self.chunk, self.comm.size
+        if not self.one_worker_scale:
+            for k in range(n):
+                self._send[k].copy_(codec.encode(u[k * L:(k + 1) * L]))
+                codec.decode(self._send[k], L, out=err[k * L:(k + 1) * L])
+            return
+        whole = self._whole
+        whole.copy_(codec.encode(u))
+        codec.decode(whole, self.padded, out=err)
+        self._send[:, :4].copy_(whole[:4].expand(n, 4))
+        self._send[:, 4:].copy_(whole[4:].view(n, L // 8))   # chunk k's signs: bytes [k L/8, (k+1) L/8)
+
+    def average(self) -> torch.Tensor:
+        """Collective: the compressed average of every rank's :attr:`input`; returns it as a view of :attr:`input`."""
+        codec, n, d, L, rank = self.codec, self.comm.size, self.numel, self.chunk, self.comm.rank
+        u, err = self._u, self.worker_error
+        u[d:].zero_()                                            # padding (u held the last result)
+        u.add_(err)                                              # u_i + e_i
+        self._encode_worker(u, err)
+        torch.sub(u, err, out=err)                               # e_i = u_i - C(u_i)
+        err[d:].zero_()
+
+        received = self.comm.alltoall(self._send, out=self._recv)
+        server = self._server.zero_()
+        for j in range(n):
+            server.add_(codec.decode(received[j], L, out=self._scratch))
+        server.div_(n)
+        server[self._real:].zero_()
+        server.add_(self.server_error)                          # s_k = average + e'_k
+        self._server_payload.copy_(codec.encode(server))
+
+        gathered = self.comm.allgather(self._server_payload, out=self._gathered)
+        for k in range(n):
+            codec.decode(gathered[k], L, out=u[k * L:(k + 1) * L])
+        torch.sub(server, u[rank * L:(rank + 1) * L], out=self.server_error)
+        self.server_error[self._real:].zero_()                  # e'_k = s_k - C(s_k)
+        return u[:d]
+
+    def state_dict(self) -> dict:
+        """Copies of both error buffers."""
+        return {"worker_error": self.worker_error.clone(), "server_error": self.server_error.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ValueError if the shapes say another rank count or model."""
+        for key, buf in (("worker_error", self.worker_error), ("server_error", self.server_error)):
+            if tuple(state[key].shape) != tuple(buf.shape):
+                raise ValueError(
+                    f"state's {key} has shape {tuple(state[key].shape)}, expected {tuple(buf.shape)}: "
+                    f"it was saved with a different number of ranks or model"
+                )
+        self.worker_error.copy_(state["worker_error"])
+        self.server_error.copy_(state["server_error"])

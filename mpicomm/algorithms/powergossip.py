@@ -1,0 +1,133 @@
+"""PowerGossip: decentralized SGD whose gossip sends rank-r power-step approximations of model differences.
+
+Vogels, Karimireddy, Jaggi. "PowerGossip: Practical Low-Rank Communication Compression in
+Decentralized Deep Learning", NeurIPS 2020 (Algorithm 1).
+
+Step t on rank i: a local torch SGD step (momentum, weight decay as in :mod:`.periodic`, order "atc"
+or "cta"), and one gossip round over the topology T = ``comm.topology(t)``, which must be symmetric
+(every edge is used in both directions). For every edge e = {lo, hi} of T (lo < hi) both ends keep
+the same Q_e (cols x r per matrix of :mod:`.lowrank`, no replica of the neighbour's model) and
+approximate the model difference D_e = X_lo - X_hi of every matrix with one warm-started power step::
+
+    Q_e <- orthogonalize(Q_e);   send X_i Q_e to the neighbour;   P = X_lo Q_e - X_hi Q_e
+    P̂ = orthogonalize(P)  (bit-identical at both ends);   send X_i^T P̂;   Q_e <- X_lo^T P̂ - X_hi^T P̂
+    D̂_e = P̂ Q_e^T  (= P̂ P̂^T D_e)
+    X_i <- X_i - gamma sum_{e = {i, j}} W_ij s_i D̂_e,     s_i = +1 if i = lo, -1 if i = hi
+
+Every edge moves its two ends by opposite amounts, so the average model is preserved exactly (up to
+rounding). Slices not worth compressing (biases; see ``min_compression_rate``) are sent in full
+precision and mixed as in D-PSGD: x_i <- x_i + gamma sum_j W_ij (x_j - x_i). The Q_e start as
+standard normal draws seeded by ``seed`` and the edge, one per undirected edge of every topology
+of the schedule (a time-varying schedule reuses an edge's Q when the edge comes back).
+
+Traffic per round and rank (deg = its number of neighbours): one ``neighbor_alltoallv`` of
+deg * 4 (p_numel + plain_numel) bytes and one of deg * 4 q_numel bytes.
+Exact reduction: with rank >= min(rows, cols) for every matrix, min_compression_rate = 0 and
+gamma = 1, D̂_e = D_e and the round is D-PSGD's x_i <- sum_j W_ij x_j to float tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import check_range
+from .lowrank import LowRankLayout, orthogonalize
+from .periodic import OrderConfig, PeriodicGossip
+from .powersgd import check_int
+from .registry import register
+
+__all__ = ["PowerGossip", "PowerGossipConfig"]
+
+
+@dataclass(frozen=True)
+class PowerGossipConfig(OrderConfig):
+    """rank: r of every compressed matrix; gamma: consensus step in (0, 1]; min_compression_rate: as
+    PowerSGD's; epsilon: added to column norms when orthogonalizing (keeps a zero difference at zero)."""
+
+    rank: int = 1
+    gamma: float = 1.0
+    min_compression_rate: float = 2.0
+    epsilon: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("rank", self.rank, 1)
+        check_int("seed", self.seed, 0)
+        check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
+        check_range("min_compression_rate", self.min_compression_rate, lo=0.0)
+        check_range("epsilon", self.epsilon, lo=0.0)
+
+
+@register
+class PowerGossip(PeriodicGossip):
+    """Local SGD steps and, every step, a low-rank gossip of the model differences along each edge."""
+
+    name = "powergossip"
+    config_class = PowerGossipConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        n, schedule = comm.size, comm.schedule
+        for k in range(schedule.period):
+            if not schedule.at(k).is_symmetric():
+                raise ValueError(f"powergossip needs a symmetric topology (every edge used both ways); "
+                                 f"{schedule.at(k)!r} at step {k} is not")
+        self.layout = LowRankLayout(self.flat, self.config.rank, self.config.min_compression_rate)
+        neighbours = sorted({j for k in range(schedule.period) for j in schedule.at(k).in_neighbors(comm.rank)})
+        self.q: dict[int, torch.Tensor] = {}  # neighbour -> Q of the edge, shared with that neighbour
+        for j in neighbours:
+            lo, hi = min(comm.rank, j), max(comm.rank, j)
+            q = torch.zeros(self.layout.q_numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
+            self.layout.draw_q(q, torch.Generator().manual_seed((self.config.seed * n + lo) * n + hi))
+            self.q[j] = q
+
+    def _gossip(self, round_index: int) -> None:
+        cfg, lay, rank = self.config, self.layout, self.comm.rank
+        topo = self.comm.topology(round_index)
+        nbrs, weights = topo.in_neighbors(rank), topo.neighbor_weights(rank)
+        if not nbrs:
+            return
+        x = self.flat.data
+        first = []
+        for j in nbrs:
+            send = x.new_empty(lay.p_numel + lay.plain_numel)
+            for mat in lay.matrices:
+                torch.matmul(mat.view(x), orthogonalize(mat.q(self.q[j]), cfg.epsilon), out=mat.p(send))
+            lay.gather_plain(x, send[lay.p_numel:])
+            first.append(send)
+        got = self.comm.neighbor_alltoallv(first, [lay.p_numel + lay.plain_numel] * len(nbrs), step=round_index)
+        plain = lay.gather_plain(x, x.new_empty(lay.plain_numel))
+        mixed = torch.zeros_like(plain)                                  # sum_j W_ij (x_j - x_i), plain slices
+        p_hats, second = [], []
+        for j, w, mine, theirs in zip(nbrs, weights, first, got):
+            mixed.add_(theirs[lay.p_numel:] - plain, alpha=w)
+            if rank < j:                                                 # P = X_lo Q - X_hi Q
+                p_hat = mine[:lay.p_numel].sub_(theirs[:lay.p_numel])
+            else:
+                p_hat = theirs[:lay.p_numel].sub(mine[:lay.p_numel])
+            send = x.new_empty(lay.q_numel)
+            for mat in lay.matrices:
+                torch.matmul(mat.view(x).t(), orthogonalize(mat.p(p_hat), cfg.epsilon), out=mat.q(send))
+            p_hats.append(p_hat)
+            second.append(send)
+        got_q = self.comm.neighbor_alltoallv(second, [lay.q_numel] * len(nbrs), step=round_index)
+        for j, w, p_hat, mine, theirs in zip(nbrs, weights, p_hats, second, got_q):
+            q = self.q[j]                                                # Q_e <- X_lo^T P̂ - X_hi^T P̂
+            torch.sub(*((mine, theirs) if rank < j else (theirs, mine)), out=q)
+            sign = -1.0 if rank < j else 1.0
+            for mat in lay.matrices:
+                mat.view(x).addmm_(mat.p(p_hat), mat.q(q).t(), alpha=sign * cfg.gamma * w)
+        lay.scatter_plain(plain.add_(mixed, alpha=cfg.gamma), x)
+
+    def _extra_state(self):
+        return {**super()._extra_state(), "q": {j: q.clone() for j, q in self.q.items()}}
+
+    def _load_extra_state(self, extra):
+        if sorted(extra["q"]) != sorted(self.q) or any(extra["q"][j].shape != q.shape for j, q in self.q.items()):
+            raise ValueError("state's per-edge Q do not fit this rank's neighbours and layout: "
+                             "it was saved with another topology, model, rank or min_compression_rate")
+        super()._load_extra_state(extra)
+        for j, q in self.q.items():
+            q.copy_(extra["q"][j])

@@ -1,0 +1,171 @@
+"""0/1 Adam: 1-bit compressed Adam with adaptive variance freezing and local steps on a growing interval.
+
+Lu, Li, Zhang, Tang, Zhang, He. "Maximizing Communication Efficiency for Large-scale Training via
+0/1 Adam", ICLR 2023 (arXiv:2202.06009), Algorithm 1, with the schedules of DeepSpeed's
+``ZeroOneAdam`` (var_freeze_step, var_update_scaler = kappa, local_step_scaler, local_step_clipper = H).
+
+Step t = 1, 2, ... on rank i (g_i the local gradient, Avg the error-compensated 1-bit average of
+:class:`~mpicomm.algorithms.onebit.OneBitAverage` with one worker scale, as DeepSpeed's; with
+``compression=False`` Avg is the exact fp32 mean)::
+
+    phase 1, t <= var_freeze_step: one shared x, m, v
+      t a variance step (t mod I_v == 0):  g = (1/n) sum_i g_i (fp32 allreduce);  v <- b2 v + (1 - b2) g^2
+      otherwise:                            g = Avg(g_i)                          (v unchanged)
+      m <- b1 m + (1 - b1) g;   x <- x (1 - lr wd) - lr m / (sqrt(v) + eps)
+      I_v starts at 1 and doubles after every var_update_scaler variance steps (T_v of the paper)
+    phase 2, t > var_freeze_step: v frozen, denom = sqrt(v) + eps; local steps, sync on T_u
+      m_i <- b1 m_i + (1 - b1) g_i;   x_i <- x_i (1 - lr wd) - lr m_i / denom;   u_i <- u_i + lr m_i
+      t a sync step (t mod I_u == 0):   ubar = Avg(u_i);   m <- ubar / sum(lr since the last sync)
+                                        x <- c x_s - ubar / denom;   x_s <- x;   u_i <- 0
+      (c = prod (1 - lr wd) over the same steps, x_s the last synchronised model);
+      I_u starts at 1 and doubles, up to local_step_clipper, every local_step_scaler steps
+
+No bias correction (as DeepSpeed's). Both error buffers are zeroed when phase 2 starts (they then
+hold errors of u, not of g). Differences from DeepSpeed's code: its first ``step()`` only allocates
+buffers (here step 1 is a real variance step); it recovers x_s as x - u with u including the weight
+decay moves, which leaks wd x denom into m and lets the ranks' x differ in the last bits; keeping
+x_s (d floats) makes every rank's x identical after a sync.
+
+Bytes per step and rank: a variance step is one fp32 allreduce (booked 2 (n - 1) / n * 4 d sent); a
+compressed or sync step is one 1-bit average ((n - 1) P sent in the all-to-all and (n - 1) P in the
+allgather, P = 4 + L/8); a local step sends nothing. ``stats()`` gives the kind of the last step and
+the count of each kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .adam import AdamConfig
+from .base import Algorithm
+from .onebit import OneBitAverage
+from .powersgd import check_bool, check_int
+from .registry import register
+
+__all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
+
+KINDS = ("variance", "compressed", "local", "sync")
+
+
+@dataclass(frozen=True)
+class ZeroOneAdamConfig(AdamConfig):
+    """Adam options plus the schedules (DeepSpeed's names and defaults) and ``compression`` (False: exact mean)."""
+
+    var_freeze_step: int = 100_000
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32_678
+    local_step_clipper: int = 16
+    compression: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("var_freeze_step", self.var_freeze_step, 1)  # step 1 is a variance step: v != 0
+        for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
+            check_int(name, getattr(self, name), 1)
+        check_bool("compression", self.compression)
+
+
+@register
+class ZeroOneAdam(Algorithm):
+    """0/1 Adam: variance updated on an exponentially thinning schedule, then frozen; 1-bit momentum
+    averages, and after the freeze local steps synchronised by 1-bit averages of the accumulated momentum."""
+
+    name = "zeroone_adam"
+    config_class = ZeroOneAdamConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        if self.flat.data.dtype != torch.float32:
+            raise TypeError(f"zeroone_adam needs float32 parameters (the sign codec decodes to float32), "
+                            f"got {self.flat.data.dtype}")
+        x = self.flat.data
+        self.m, self.v, self.u, self.synced = (torch.zeros_like(x) for _ in range(4))
+        self._denom = torch.zeros_like(x)
+        self.onebit = OneBitAverage(self.comm, self.flat.numel, x.device, one_worker_scale=True)
+        self.schedule = {"var_interval": 1, "var_counter": 0, "local_interval": 1, "local_counter": 0,
+                         "lrs": 0.0, "decay": 1.0}
+        self.counts = dict.fromkeys(KINDS, 0)
+        self.last_kind = ""
+
+    def kind(self, t: int) -> str:
+        """The kind of step ``t`` (1-based) under the current schedule: one of :data:`KINDS`."""
+        s = self.schedule
+        if t <= self.config.var_freeze_step:
+            return "variance" if t % s["var_interval"] == 0 else "compressed"
+        return "sync" if t % s["local_interval"] == 0 else "local"
+
+    def _average(self, vec: torch.Tensor) -> torch.Tensor:
+        """``vec`` <- the average over ranks (1-bit with error feedback, or exact without compression)."""
+        if not self.config.compression:
+            return self.comm.allreduce(vec).div_(self.comm.size)
+        self.onebit.input.copy_(vec)
+        return vec.copy_(self.onebit.average())
+
+    def _step(self, grad: torch.Tensor) -> None:
+        cfg, s, x = self.config, self.schedule, self.flat.data
+        t = self.step_count + 1
+        kind = self.last_kind = self.kind(t)
+        self.counts[kind] += 1
+        if kind in ("variance", "compressed"):
+            if kind == "variance":
+                self.comm.allreduce(grad).div_(self.comm.size)
+                self.m.lerp_(grad, 1 - cfg.beta1)
+                self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+            else:
+                self.m.lerp_(self._average(grad), 1 - cfg.beta1)
+            if cfg.weight_decay:
+                x.mul_(1 - self.lr * cfg.weight_decay)
+            torch.sqrt(self.v, out=self._denom).add_(cfg.eps)
+            x.addcdiv_(self.m, self._denom, value=-self.lr)
+            if kind == "variance":
+                s["var_counter"] += 1
+                if s["var_counter"] == cfg.var_update_scaler:
+                    s["var_counter"], s["var_interval"] = 0, 2 * s["var_interval"]
+            if t == cfg.var_freeze_step:
+                self._start_local_phase()
+            return
+        self.m.lerp_(grad, 1 - cfg.beta1)
+        if cfg.weight_decay:
+            x.mul_(1 - self.lr * cfg.weight_decay)
+            s["decay"] *= 1 - self.lr * cfg.weight_decay
+        x.addcdiv_(self.m, self._denom, value=-self.lr)
+        self.u.add_(self.m, alpha=self.lr)
+        s["lrs"] += self.lr
+        if kind == "sync":
+            ubar = self._average(self.u)
+            torch.div(ubar, s["lrs"], out=self.m)
+            torch.mul(self.synced, s["decay"], out=x).sub_(ubar / self._denom)
+            self.synced.copy_(x)
+            self.u.zero_()
+            s["lrs"], s["decay"] = 0.0, 1.0
+        s["local_counter"] += 1
+        if s["local_counter"] == cfg.local_step_scaler:
+            s["local_counter"], s["local_interval"] = 0, min(cfg.local_step_clipper, 2 * s["local_interval"])
+
+    def _start_local_phase(self) -> None:
+        """Freeze denom = sqrt(v) + eps, remember x_s = x, clear both error buffers."""
+        torch.sqrt(self.v, out=self._denom).add_(self.config.eps)
+        self.synced.copy_(self.flat.data)
+        self.onebit.worker_error.zero_()
+        self.onebit.server_error.zero_()
+
+    def stats(self):
+        """Base stats plus the kind of the last step and how many steps of each kind ran."""
+        out = super().stats()
+        out["last_kind"] = self.last_kind
+        out.update({f"{k}_steps": v for k, v in self.counts.items()})
+        return out
+
+    def _extra_state(self):
+        return {"m": self.m.clone(), "v": self.v.clone(), "u": self.u.clone(), "synced": self.synced.clone(),
+                "denom": self._denom.clone(), "schedule": dict(self.schedule), "counts": dict(self.counts),
+                **self.onebit.state_dict()}
+
+    def _load_extra_state(self, extra):
+        self.onebit.load_state_dict(extra)
+        for key in ("m", "v", "u", "synced"):
+            getattr(self, key).copy_(extra[key])
+        self._denom.copy_(extra["denom"])
+        self.schedule, self.counts = dict(extra["schedule"]), dict(extra["counts"])
