@@ -51,7 +51,11 @@ __all__ = ["LAMB", "LAMBConfig", "OneBitLAMB", "OneBitLAMBConfig"]
 
 @dataclass(frozen=True)
 class LAMBConfig(AdamConfig):
-    """Adam options plus the trust-ratio clip [min_coeff, max_coeff] and coeff_beta (rbar's average)."""
+    """Adam options plus the trust ratio's clip and average.
+
+    min_coeff: the smallest trust ratio r_l, > 0. max_coeff: the largest, >= min_coeff. coeff_beta: decay of
+    the running average rbar_l of r_l, in [0, 1).
+    """
 
     max_coeff: float = 10.0
     min_coeff: float = 0.01
@@ -116,7 +120,12 @@ class LAMB(Algorithm):
 
 @dataclass(frozen=True)
 class OneBitLAMBConfig(LAMBConfig):
-    """LAMB options plus freeze_step (LAMB warm-up steps, >= 1) and the factor clip of the compression stage."""
+    """LAMB options plus the warm-up length and the factor clip of the compression stage.
+
+    freeze_step: LAMB steps before the variance freezes and compression starts, >= 1. factor_min: the
+    smallest scaling factor f_l of the frozen ratio. factor_max: the largest, >= factor_min.
+    factor_threshold: the most f_l may change from one step to the next, relatively (>= 0).
+    """
 
     freeze_step: int = 100_000
     factor_max: float = 4.0

@@ -60,9 +60,13 @@ def check_bool(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class PowerSGDConfig(AlgorithmConfig):
-    """rank: r of every compressed matrix; warmup_steps: fp32 AllReduce-SGD steps first;
-    min_compression_rate: compress a matrix only if it shrinks by more than this; error_feedback;
-    warm_start: reuse Q across steps; epsilon: added to column norms when orthogonalizing."""
+    """PowerSGD options.
+
+    rank: r of every compressed matrix. warmup_steps: fp32 AllReduce-SGD steps first.
+    min_compression_rate: compress a matrix only if it shrinks by more than this. error_feedback: add
+    what compression dropped to the next step's gradient. warm_start: reuse Q across steps. epsilon:
+    added to column norms when orthogonalizing.
+    """
 
     rank: int = 1
     warmup_steps: int = 0

@@ -51,7 +51,13 @@ KINDS = ("variance", "compressed", "local", "sync")
 
 @dataclass(frozen=True)
 class ZeroOneAdamConfig(AdamConfig):
-    """Adam options plus the schedules (DeepSpeed's names and defaults) and ``compression`` (False: exact mean)."""
+    """Adam options plus the schedules (DeepSpeed's names and defaults).
+
+    var_freeze_step: steps with variance updates before v is frozen and local steps begin. var_update_scaler:
+    variance steps after which their interval doubles (kappa). local_step_scaler: steps after which the
+    interval between synchronisations doubles. local_step_clipper: the longest such interval (H).
+    compression: 1-bit averages (False: exact fp32 means, for reference runs).
+    """
 
     var_freeze_step: int = 100_000
     var_update_scaler: int = 16
