@@ -245,7 +245,8 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     algo.close()
     summary = {"event": "end", "step": step, "total_steps": total, "stopped_by_signal": stopped_by,
                "wall_s": time.perf_counter() - t_run, "train_s": train_s, **last_eval,
-               **algo.comm.ledger.totals(), **{f"net_{k}": v for k, v in clock.totals().items()}}
+               **algo.comm.ledger.totals(), **{f"net_{k}": v for k, v in clock.totals().items()},
+               **algo.metrics()}
     metrics.write(summary)
     metrics.close()
     return summary
@@ -279,7 +280,7 @@ def _log(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall)
     size = mpi_comm.Get_size()
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
               "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
-              **algo.comm.ledger.totals()}
+              **algo.comm.ledger.totals(), **algo.metrics()}
     for key, value in zip(sorted(counters), summed[1 + len(timings):]):
         record[f"sum_{key}"] = value
     if "correct" in counters and "count" in counters:
