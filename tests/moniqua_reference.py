@@ -74,7 +74,7 @@ def reference_mix(x: torch.Tensor, W: torch.Tensor, step: int, theta: torch.Tens
         s = float((2**bits) * (1 - 2.0 ** -bits) / (2 * theta[tensor]))  # 2^b (1 - 2 delta) / (2 theta)
         values = []
         for j in range(n):
-            u = dither(stream_key(seed, step), a, b) if rounding == "dither" else torch.zeros(b - a)
+            u = dither(stream_key(seed, step), torch.arange(a, b)) if rounding == "dither" else torch.zeros(b - a)
             L = torch.round(x[j, a:b] * s + u)
             values.append((L - u) * (1.0 / s))
         for i in range(n):

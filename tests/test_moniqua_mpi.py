@@ -181,10 +181,11 @@ def test_dither_is_regenerated_identically_by_sender_and_receivers(comm):
         rank = comm.Get_rank()
         for step in (0, 1, 17):
             split = 10 + 37 * rank  # each process regenerates it in its own chunks
-            mine = torch.cat([dither(stream_key(7, step), 10, split), dither(stream_key(7, step), split, 1000)])
+            key = stream_key(7, step)
+            mine = torch.cat([dither(key, torch.arange(10, split)), dither(key, torch.arange(split, 1000))])
             gathered = comm.allgather(mine.numpy().tobytes())
             assert all(g == gathered[0] for g in gathered)
-            assert not torch.equal(mine, dither(stream_key(7, step + 1), 10, 1000))
+            assert not torch.equal(mine, dither(stream_key(7, step + 1), torch.arange(10, 1000)))
 
     run_all(comm, body)
 

@@ -184,7 +184,7 @@ def test_lattice_recovery_is_exact_within_theta_and_wraps_beyond(bits, rounding)
     B = 2 * theta / (1 - 2 * lattice.delta(bits, rounding))
     s = 2**bits / B
     x = torch.randn(n, generator=g) * 3
-    u = lattice.dither(lattice.stream_key(0, 5), 0, n) if rounding == "dither" else None
+    u = lattice.dither(lattice.stream_key(0, 5), torch.arange(0, n)) if rounding == "dither" else None
     noise = torch.rand(n, generator=g) if rounding == "stochastic" else None
     packed, L = lattice.lattice_encode(x, s, bits, u, noise)
     assert packed.numel() == math.ceil(n * bits / 8)
@@ -201,7 +201,7 @@ def test_dither_removes_the_dead_zone_and_its_error_is_zero_mean():
     """Two values in one 1-bit cell: nearest rounding gives both the same point (no pull); dithered, the
     expected difference of the recoveries is the true difference, and the error has mean 0, variance 1/12."""
     n, s = 200_000, 1.0
-    u = lattice.dither(lattice.stream_key(3, 0), 0, n)
+    u = lattice.dither(lattice.stream_key(3, 0), torch.arange(0, n))
     xi, xj = torch.full((n,), 0.1), torch.full((n,), 0.4)
     assert torch.equal(lattice.lattice_encode(xi, s, 1)[1], lattice.lattice_encode(xj, s, 1)[1])
     vi = lattice.lattice_value(lattice.lattice_encode(xi, s, 1, u)[1], s, u)
@@ -214,10 +214,11 @@ def test_dither_removes_the_dead_zone_and_its_error_is_zero_mean():
 
 def test_dither_is_keyed_by_seed_step_and_coordinate():
     key = lattice.stream_key(1, 2)
-    u = lattice.dither(key, 0, 100)
-    assert torch.equal(torch.cat([lattice.dither(key, 0, 40), lattice.dither(key, 40, 100)]), u)
-    assert not torch.equal(lattice.dither(lattice.stream_key(1, 3), 0, 100), u)
-    assert not torch.equal(lattice.dither(lattice.stream_key(2, 2), 0, 100), u)
+    u = lattice.dither(key, torch.arange(0, 100))
+    halves = [lattice.dither(key, torch.arange(0, 40)), lattice.dither(key, torch.arange(40, 100))]
+    assert torch.equal(torch.cat(halves), u)
+    assert not torch.equal(lattice.dither(lattice.stream_key(1, 3), torch.arange(0, 100)), u)
+    assert not torch.equal(lattice.dither(lattice.stream_key(2, 2), torch.arange(0, 100)), u)
 
 
 # ---------------------------------------------------------------------- rotating parts

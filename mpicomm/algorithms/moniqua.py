@@ -40,8 +40,9 @@ Wraps are counted per tensor group (:meth:`Moniqua.metrics`, ``metrics.jsonl``) 
 rank 0 at the end (:meth:`ModuloGossip.close`), never per step.
 
 Memory beyond the model: no model-sized buffer per neighbour. Persistent: the send message and the
-receive rows (in-degree x message bytes). Transient per step: the mixing increment of the parts sent
-(d / P floats), chunk-sized temporaries, and a d-sized temporary for the per-tensor norms.
+receive rows (in-degree x message bytes). Transient per step: the mixing increment, dither and
+fingerprint weights of the coordinates sent (d / P x 16 bytes), chunk-sized temporaries, and a d-sized
+temporary for the per-tensor norms.
 
 Traffic per step: ``4 T + sum_l ceil(ceil(n_l / P) b / 8)`` bytes (rounded up to a multiple of 4) to each
 out-neighbour in one neighbour collective, plus an allreduce(max) of 2 T float32 (T tensors; booked by the
@@ -131,9 +132,8 @@ class MoniquaConfig(AlgorithmConfig):
             raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
 
 
-def lattice_fingerprint(L: torch.Tensor, start: int) -> int:
-    """``sum_c H_c (L_c mod 2^20)`` over coordinates ``start, start+1, ...`` (exact int64; H odd 20-bit)."""
-    hashes = lattice.coordinate_hashes(start, start + L.numel(), L.device)
+def lattice_fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
+    """``sum_c H_c (L_c mod 2^20)`` (exact int64; ``hashes`` the coordinates' odd 20-bit H_c)."""
     return int(L.bitwise_and(_HASH_MASK).mul_(hashes).sum())
 
 
@@ -154,6 +154,7 @@ class ModuloGossip:
         self.rule = TensorTheta(self.layout.count, config, config.parts * mixing_time(comm.schedule, config.gamma))
         self.send = torch.zeros(self.layout.message_bytes, dtype=torch.uint8, device=flat.data.device)
         self.noise = SeededGenerator(config.seed + comm.rank) if config.rounding == "stochastic" else None
+        self.dithered = config.rounding == "dither"
         self.chunk = chunk_elems(flat.data.device)
 
     def step_sizes(self, grad: torch.Tensor, lr: float, optimizer=None) -> torch.Tensor:
@@ -182,10 +183,15 @@ class ModuloGossip:
         theta = self.rule.theta()
         self.last_theta = theta
         scales = ((1 << self.config.bits) * (1.0 - 2.0 * self.delta) / (2.0 * theta)).tolist()
-        increment, own_fp = self._encode(x, step, scales, math.fsum(topo.neighbor_weights(rank)))
+        parts = [self.layout.part(t, step) for t in range(self.layout.count)]
+        coords = torch.cat([torch.arange(a, b, dtype=torch.int64, device=x.device) for a, b in parts])
+        u = lattice.dither(lattice.stream_key(self.config.seed, step), coords) if self.dithered else None
+        sent = (parts, u, lattice.coordinate_hashes(coords))
+        del coords
+        increment, own_fp = self._encode(x, sent, scales, math.fsum(topo.neighbor_weights(rank)))
         self.layout.header(self.send).copy_(torch.tensor(own_fp, dtype=torch.int32))
         rows = self.comm.neighbor_allgather(self.send, step=step)
-        local = self._decode(x, step, scales, rows, increment)
+        local = self._decode(x, step, sent, scales, rows, increment)
         agreed = self._agree(torch.cat([local, statistic]))
         wrapped, count = agreed[:self.layout.count] > 0, self.layout.count
         self.rule.observe(agreed[count:])
@@ -205,54 +211,47 @@ class ModuloGossip:
         return bool(wrapped.any())
 
     # ------------------------------------------------------------------ the two passes
-    def _encode(self, x, step, scales, wsum) -> tuple[torch.Tensor, list[int]]:
-        """Pack this rank's codes into ``send``; return ``-wsum x̂_i`` on the parts sent and the fingerprints."""
-        bits, key = self.config.bits, lattice.stream_key(self.config.seed, step)
-        parts = [self.layout.part(t, step) for t in range(self.layout.count)]
-        increment = torch.empty(sum(b - a for a, b in parts), dtype=torch.float32, device=x.device)
+    def _encode(self, x, sent, scales, wsum) -> tuple[torch.Tensor, list[int]]:
+        """Pack this rank's codes into ``send``; return ``-wsum x̂_i`` on the parts sent and the fingerprints.
+
+        ``sent``: the parts ``[(start, stop)]`` per tensor, the dither and the fingerprint weights of their
+        coordinates (concatenated in tensor order).
+        """
+        bits, (parts, u_all, hashes) = self.config.bits, sent
+        increment = torch.empty(hashes.numel(), dtype=torch.float32, device=x.device)
         fingerprints, at = [], 0
         for tensor, (start, stop) in enumerate(parts):
             fp, s = 0, scales[tensor]
             for lo, hi in chunk_ranges(stop - start, self.chunk):
-                u, noise = self._randomness(key, start + lo, start + hi, x.device)
+                u = None if u_all is None else u_all[at + lo:at + hi]
+                noise = None if self.noise is None else self.noise.uniform_(torch.empty_like(x[:hi - lo]))
                 packed, L = lattice.lattice_encode(x[start + lo:start + hi], s, bits, u, noise)
                 self.layout.slot(self.send, tensor, hi)[lo * bits // 8:].copy_(packed)
-                fp += lattice_fingerprint(L, start + lo)
+                fp += lattice_fingerprint(L, hashes[at + lo:at + hi])
                 torch.mul(lattice.lattice_value(L, s, u), -wsum, out=increment[at + lo:at + hi])
             fingerprints.append(_int32(fp))
             at += stop - start
         return increment, fingerprints
 
-    def _decode(self, x, step, scales, rows, increment) -> torch.Tensor:
+    def _decode(self, x, step, sent, scales, rows, increment) -> torch.Tensor:
         """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
-        topo, rank, bits = self.comm.topology(step), self.comm.rank, self.config.bits
-        weights = topo.neighbor_weights(rank)
+        bits, (parts, u_all, hashes) = self.config.bits, sent
+        weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
         headers = [self.layout.header(row.clone()).tolist() for row in rows]
-        key = lattice.stream_key(self.config.seed, step)
         mismatched = torch.zeros(self.layout.count, dtype=torch.float32)
-        dithered = self.config.rounding == "dither"
         at = 0
-        for tensor in range(self.layout.count):
-            start, stop = self.layout.part(tensor, step)
+        for tensor, (start, stop) in enumerate(parts):
             s, fps = scales[tensor], [0] * len(rows)
             for lo, hi in chunk_ranges(stop - start, self.chunk):
-                u = lattice.dither(key, start + lo, start + hi, x.device) if dithered else None
+                u = None if u_all is None else u_all[at + lo:at + hi]
                 for k, (w, row) in enumerate(zip(weights, rows)):
                     packed = self.layout.slot(row, tensor, hi)[lo * bits // 8:]
                     L = lattice.lattice_decode(packed, x[start + lo:start + hi], s, bits, u)
-                    fps[k] += lattice_fingerprint(L, start + lo)
+                    fps[k] += lattice_fingerprint(L, hashes[at + lo:at + hi])
                     increment[at + lo:at + hi].add_(lattice.lattice_value(L, s, u), alpha=w)
             mismatched[tensor] = float(sum(_int32(fp) != header[tensor] for fp, header in zip(fps, headers)))
             at += stop - start
         return mismatched
-
-    def _randomness(self, key, start, stop, device):
-        """The dither (shared, regenerated by receivers) or the private stochastic-rounding noise of a chunk."""
-        if self.config.rounding == "dither":
-            return lattice.dither(key, start, stop, device), None
-        if self.noise is not None:
-            return None, self.noise.uniform_(torch.empty(stop - start, dtype=torch.float32, device=device))
-        return None, None
 
     # ------------------------------------------------------------------ guard
     def _resync(self, x, step, wrapped) -> None:

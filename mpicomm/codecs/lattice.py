@@ -59,23 +59,25 @@ def stream_key(seed: int, step: int) -> int:
     return _signed(_splitmix(_splitmix(seed) ^ step))
 
 
+_SC1, _SC2, _SGOLDEN = _signed(_C1), _signed(_C2), _signed(_GOLDEN)
+
+
 def _mix64(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finaliser on an int64 tensor in place (wrapping products, logical shifts by masking)."""
-    z.bitwise_xor_(z.bitwise_right_shift(30).bitwise_and_((1 << 34) - 1)).mul_(_signed(_C1))
-    z.bitwise_xor_(z.bitwise_right_shift(27).bitwise_and_((1 << 37) - 1)).mul_(_signed(_C2))
+    z.bitwise_xor_(z.bitwise_right_shift(30).bitwise_and_((1 << 34) - 1)).mul_(_SC1)
+    z.bitwise_xor_(z.bitwise_right_shift(27).bitwise_and_((1 << 37) - 1)).mul_(_SC2)
     return z.bitwise_xor_(z.bitwise_right_shift(31).bitwise_and_((1 << 33) - 1))
 
 
-def dither(key: int, start: int, stop: int, device=None) -> torch.Tensor:
-    """u in [-1/2, 1/2) (float32, multiples of 2^-24) for flat coordinates ``start..stop-1`` of stream ``key``."""
-    z = torch.arange(start, stop, dtype=torch.int64, device=device).mul_(_signed(_GOLDEN)).add_(key)
-    top = _mix64(z).bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1)
+def dither(key: int, coords: torch.Tensor) -> torch.Tensor:
+    """u in [-1/2, 1/2) (float32, multiples of 2^-24) at the flat coordinates ``coords`` (int64) of stream ``key``."""
+    top = _mix64(coords.mul(_SGOLDEN).add_(key)).bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1)
     return top.to(torch.float32).mul_(2.0**-24).sub_(0.5)
 
 
-def coordinate_hashes(start: int, stop: int, device=None) -> torch.Tensor:
-    """Odd 20-bit pseudo-random weights of flat coordinates ``start..stop-1`` (the fingerprint's), int64."""
-    c = torch.arange(start, stop, dtype=torch.int64, device=device).bitwise_and_((1 << 31) - 1)
+def coordinate_hashes(coords: torch.Tensor) -> torch.Tensor:
+    """Odd 20-bit pseudo-random weights of the flat coordinates ``coords`` (the fingerprint's), int64."""
+    c = coords.bitwise_and((1 << 31) - 1)
     return c.mul_(1103515245).add_(12345).bitwise_and_((1 << 31) - 1).bitwise_right_shift_(11).bitwise_or_(1)
 
 
