@@ -221,7 +221,7 @@ def test_guard_never_mixes_a_wrapped_part_and_keeps_the_average(comm, caplog):
         warnings = [r.getMessage() for r in caplog.records if "Moniqua guard" in r.getMessage()]
         assert len(warnings) == (1 if comm.Get_rank() == 0 else 0), warnings
         assert float(algo.gossip.rule.scale[0]) == 2e-4  # the wrapped tensor's scale doubled
-        flags = comm.allgather(algo.gossip.wrapped.tolist())
+        flags = comm.allgather(algo.gossip.record.wrapped.tolist())
         assert all(f == flags[0] for f in flags)
 
     run_all(comm, body)

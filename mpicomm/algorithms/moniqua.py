@@ -31,7 +31,7 @@ with 4 bits instead of 1 on the coordinates that are sent (quantization noise al
 neighbours to ~2 theta apart at gamma = 0.5, measured in simulation: the recovery condition fails).
 
 Guard, check then mix: every (edge, tensor) is decoded and fingerprinted (one int32 per tensor in the
-header, :func:`lattice_fingerprint`) before x is touched; the per-tensor wrap flags ride on the per-step
+header, :mod:`.moniqua_guard`) before x is touched; the per-tensor wrap flags ride on the per-step
 allreduce(max) with theta's statistics, so every rank skips the same parts and the average stays exact.
 ``guard="resync"`` then also mixes the wrapped parts at full precision (an fp32 neighbour exchange of just
 those parts); ``guard="raise"`` raises :class:`ThetaBoundError` on every rank. A wrap doubles that
@@ -51,7 +51,6 @@ Ledger as 2 (n - 1) / n x 8 T bytes); the first step of an adaptive theta adds o
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from numbers import Real
@@ -64,18 +63,16 @@ from ..codecs._layout import chunk_elems, chunk_ranges
 from ..codecs._rng import SeededGenerator
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
+from .moniqua_guard import GuardRecord, lattice_fingerprint, low31, resync_parts
 from .moniqua_parts import PartLayout, tensor_inf
 from .moniqua_single import IDENTITY_BITS, ThetaBoundError, default_gamma
 from .moniqua_theta import TensorTheta, mixing_time
 from .registry import register
 
-__all__ = ["GUARDS", "ModuloGossip", "Moniqua", "MoniquaConfig", "lattice_fingerprint"]
-
-log = logging.getLogger(__name__)
+__all__ = ["GUARDS", "ModuloGossip", "Moniqua", "MoniquaConfig"]
 
 MODULO_BITS = (1, 2, 4, 8)
 GUARDS = ("skip", "resync", "raise")
-_HASH_MASK = (1 << 20) - 1
 
 
 @dataclass(frozen=True)
@@ -132,21 +129,13 @@ class MoniquaConfig(AlgorithmConfig):
             raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
 
 
-def lattice_fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
-    """``sum_c H_c (L_c mod 2^20)`` (exact int64; ``hashes`` the coordinates' odd 20-bit H_c)."""
-    return int(L.bitwise_and(_HASH_MASK).mul_(hashes).sum())
-
-
 class ModuloGossip:
     """Moniqua's mixing ``x[S] += gamma sum_j W_ij (x̂_j - x̂_i)`` on one rank, with theta per tensor and guard."""
 
     def __init__(self, comm, config: MoniquaConfig, flat):
         self.comm, self.config, self.gamma = comm, config, config.gamma
         self.identity = config.bits == IDENTITY_BITS
-        self.names = [layer.name for layer in flat.layers]
-        self.groups = sorted({name.split(".")[0] for name in self.names})
-        self.wrapped = torch.zeros(len(self.names), dtype=torch.int64)  # steps each tensor's part wrapped
-        self.resyncs, self.steps = 0, 0
+        self.record = GuardRecord([layer.name for layer in flat.layers])
         if self.identity:
             return
         self.layout = PartLayout(flat.layers, config.parts, config.bits)
@@ -172,7 +161,7 @@ class ModuloGossip:
     def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
         """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""
         topo, rank = self.comm.topology(step), self.comm.rank
-        self.steps += 1
+        self.record.steps += 1
         if self.identity:
             rows = self.comm.neighbor_allgather(x, step=step)
             _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
@@ -196,7 +185,7 @@ class ModuloGossip:
         wrapped, count = agreed[:self.layout.count] > 0, self.layout.count
         self.rule.observe(agreed[count:])
         if wrapped.any() and self.config.guard == "raise":
-            raise ThetaBoundError(self._describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
+            raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
         at = 0
         for tensor in range(count):
             start, stop = self.layout.part(tensor, step)
@@ -204,9 +193,10 @@ class ModuloGossip:
                 x[start:stop].add_(increment[at:at + stop - start], alpha=self.gamma)
             at += stop - start
         if wrapped.any():
-            self.wrapped += wrapped.long()
+            self.record.add(wrapped)
             if self.config.guard == "resync":
-                self._resync(x, step, wrapped)
+                resync_parts(self.comm, x, step, [part for part, w in zip(parts, wrapped.tolist()) if w])
+                self.record.resyncs += 1
         self.rule.guard(wrapped)
         return bool(wrapped.any())
 
@@ -229,7 +219,7 @@ class ModuloGossip:
                 self.layout.slot(self.send, tensor, hi)[lo * bits // 8:].copy_(packed)
                 fp += lattice_fingerprint(L, hashes[at + lo:at + hi])
                 torch.mul(lattice.lattice_value(L, s, u), -wsum, out=increment[at + lo:at + hi])
-            fingerprints.append(_int32(fp))
+            fingerprints.append(low31(fp))
             at += stop - start
         return increment, fingerprints
 
@@ -249,64 +239,27 @@ class ModuloGossip:
                     L = lattice.lattice_decode(packed, x[start + lo:start + hi], s, bits, u)
                     fps[k] += lattice_fingerprint(L, hashes[at + lo:at + hi])
                     increment[at + lo:at + hi].add_(lattice.lattice_value(L, s, u), alpha=w)
-            mismatched[tensor] = float(sum(_int32(fp) != header[tensor] for fp, header in zip(fps, headers)))
+            mismatched[tensor] = float(sum(low31(fp) != header[tensor] for fp, header in zip(fps, headers)))
             at += stop - start
         return mismatched
-
-    # ------------------------------------------------------------------ guard
-    def _resync(self, x, step, wrapped) -> None:
-        """Mix the wrapped parts at full precision: one fp32 neighbour exchange of just those parts."""
-        topo, rank = self.comm.topology(step), self.comm.rank
-        parts = [self.layout.part(t, step) for t in range(self.layout.count) if wrapped[t]]
-        mine = torch.cat([x[a:b] for a, b in parts])
-        rows = self.comm.neighbor_allgather(mine, step=step)
-        gossip_average(mine, rows, topo.self_weight(rank), topo.neighbor_weights(rank))
-        at = 0
-        for a, b in parts:
-            x[a:b].copy_(mine[at:at + b - a])
-            at += b - a
-        self.resyncs += 1
-
-    def _describe(self, step, wrapped) -> str:
-        names = [self.names[t] for t in range(len(self.names)) if wrapped[t]]
-        return (f"Moniqua step {step}: the modulo recovery wrapped on {len(names)} tensor part(s) "
-                f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): |x_i - x_j|_inf exceeded theta")
 
     def _agree(self, values: torch.Tensor) -> torch.Tensor:
         return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
 
     def close(self) -> None:
-        """Rank 0 logs one summary of the guard's skipped parts (the counts are agreed, so rank 0 speaks for all)."""
-        total = int(self.wrapped.sum())
-        if total and self.comm.rank == 0:
-            action = {"skip": "left unmixed that step", "resync": "mixed at full precision"}[self.config.guard]
-            log.warning("Moniqua guard: %d tensor parts wrapped over %d steps and were %s (by group: %s); "
-                        "theta adapts per tensor, training quality is unaffected when this is rare",
-                        total, self.steps, action,
-                        ", ".join(f"{g} {n}" for g, n in self.group_counts().items() if n))
+        """Rank 0 logs one summary of the guard's wrapped parts (see :class:`GuardRecord`)."""
+        self.record.summarise(self.comm.rank, self.config.guard)
 
     # ------------------------------------------------------------------ stats and state
-    def group_counts(self) -> dict[str, int]:
-        """Wrapped parts so far per tensor group (the first component of the parameter name)."""
-        out = dict.fromkeys(self.groups, 0)
-        for name, n in zip(self.names, self.wrapped.tolist()):
-            out[name.split(".")[0]] += n
-        return out
-
     def metrics(self) -> dict[str, Any]:
         """For ``metrics.jsonl``: the largest theta and the wrapped parts per tensor group, and their total."""
         if self.identity or not hasattr(self, "last_theta"):
             return {}
-        theta = dict.fromkeys(self.groups, 0.0)
-        for name, t in zip(self.names, self.last_theta.tolist()):
-            group = name.split(".")[0]
-            theta[group] = max(theta[group], t)
-        return {"moniqua_theta_max": theta, "moniqua_wrapped": self.group_counts(),
-                "moniqua_wrapped_parts": int(self.wrapped.sum()), "moniqua_resyncs": self.resyncs}
+        return self.record.metrics(self.last_theta)
 
     def stats(self) -> dict[str, Any]:
         """gamma, theta's range and the guard's counters."""
-        out = {"gamma": self.gamma, "wrapped_parts": int(self.wrapped.sum()), "resyncs": self.resyncs}
+        out = {"gamma": self.gamma, "wrapped_parts": self.record.total(), "resyncs": self.record.resyncs}
         if not self.identity and hasattr(self, "last_theta"):
             out.update(theta_min=float(self.last_theta.min()), theta_max=float(self.last_theta.max()),
                        theta_scale_max=float(self.rule.scale.max()))
@@ -314,7 +267,7 @@ class ModuloGossip:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the theta rule and the stochastic-rounding generator (the dither is keyed by the step)."""
-        out: dict[str, Any] = {"wrapped": self.wrapped.clone(), "resyncs": self.resyncs, "steps": self.steps}
+        out: dict[str, Any] = {"record": self.record.state_dict()}
         if not self.identity:
             out["rule"] = self.rule.state_dict()
             if self.noise is not None:
@@ -323,16 +276,11 @@ class ModuloGossip:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.wrapped, self.resyncs, self.steps = state["wrapped"].clone(), int(state["resyncs"]), int(state["steps"])
+        self.record.load_state_dict(state["record"])
         if not self.identity:
             self.rule.load_state_dict(state["rule"])
             if self.noise is not None:
                 self.noise.load_state_dict(state["noise"])
-
-
-def _int32(value: int) -> int:
-    """The low 31 bits of ``value`` (a non-negative int32 header field)."""
-    return value & 0x7FFFFFFF
 
 
 def _gossip(x, rows, self_weight, weights, gamma) -> None:
