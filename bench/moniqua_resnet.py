@@ -41,6 +41,7 @@ CASES = [  # label, extra arguments, most seeds to run (None: all of --seeds)
     ("Moniqua default (4 bits 1/4 parts)", DEFAULT, None),
     ("Moniqua 4 bits 1/2 parts", [*DEFAULT, "--parts", "2"], None),
     ("Moniqua paper form (1 bit one theta)", PAPER, 2),  # fails clearly on both seeds: two are enough
+    ("Moniqua default theta_c 0.5", [*DEFAULT, "--theta-c", "0.5"], None),  # sensitivity: half the theta
 ]
 EXTRA = [  # (group label, model, ranks), run with D-PSGD and the default on seed 0
     ("ResNet-32, 4-ring", "resnet32", 4),
