@@ -22,13 +22,15 @@ bit for bit.
 Why it still converges. Per coordinate, step k mixes with W on the coordinates of the parts sent and with
 I elsewhere (and on any part the guard skipped): every step's matrix is doubly stochastic, so the average
 is preserved exactly (up to float rounding) and over any P consecutive steps each coordinate is mixed
-exactly once by W. Moniqua's Theorem 1 (and the D-PSGD analysis it builds on, Lian et al. 2017) takes one
-fixed W with spectral gap 1 - rho; here it is applied to the product over a period of P steps, which has
-the same gap per period, so the argument holds with t_mix multiplied by P (the unified analysis of
-Koloskova et al., ICML 2020, covers such time-varying doubly stochastic mixing with an expected
-contraction over tau = P steps). Theta's rule uses that P t_mix; the price is slower consensus, paid for
-with 4 bits instead of 1 on the coordinates that are sent (quantization noise alone drives 1-bit
-neighbours to ~2 theta apart at gamma = 0.5, measured in simulation: the recovery condition fails).
+exactly once by W. Moniqua's convergence theorem for D-PSGD (and the D-PSGD analysis it builds on, Lian
+et al. 2017) takes one fixed W with spectral gap 1 - rho; here it is applied to the product over a period
+of P steps, which has that gap per period, so the argument holds with t_mix multiplied by P (what changes:
+theta's bound and the consensus error grow with P t_mix instead of t_mix). Koloskova et al., "A Unified
+Theory of Decentralized SGD with Changing Topology and Local Updates" (ICML 2020) covers such time-varying
+doubly stochastic mixing with an expected contraction over tau = P steps. The price is slower consensus,
+paid for with 4 bits instead of 1 on the coordinates that are sent: at 1 bit the quantization error is
+as large as theta and keeps neighbours about theta apart by itself (issue 13's simulation; the MLP bench),
+so the recovery condition |x_i - x_j| < theta fails without any gradient.
 
 Guard, check then mix: every (edge, tensor) is decoded and fingerprinted (one int32 per tensor in the
 header, :mod:`.moniqua_guard`) before x is touched; the per-tensor wrap flags ride on the per-step
