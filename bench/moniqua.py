@@ -3,10 +3,10 @@
     unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/moniqua.py [--epochs 20] [--quick]'
 
 Same setting as bench/decentralized.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all
-ranks); rows vary Moniqua's bits, gamma and theta_c, plus Moniqua-D² and D². Reports the consensus
-model's test accuracy, bytes sent per rank during training (ratio to D-PSGD's, measured in the same run),
-bits per parameter per step, and the guard's resync count with the final theta and gamma (wall time is
-not measured here: see bench/decentralized.py).
+ranks); rows vary Moniqua's bits, parts, rounding, gamma and theta_c around the default and the paper's
+form. Reports the consensus model's test accuracy, bytes sent per rank during training (ratio to
+D-PSGD's, measured in the same run), bits per parameter per step, and the guard's wrapped parts with the
+final largest theta and gamma (wall time is not measured here: see bench/decentralized.py).
 Writes bench/results/moniqua.json.
 """
 
@@ -27,17 +27,19 @@ from mpicomm.comm import Communicator  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moniqua.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
+PAPER = {"bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}
 CASES = [  # label, algorithm, options
     ("D-PSGD", "dpsgd", SGD),
-    ("Moniqua 1-bit (defaults)", "moniqua", {**SGD, "bits": 1}),
-    ("Moniqua 1-bit gamma=1", "moniqua", {**SGD, "bits": 1, "gamma": 1.0}),
-    ("Moniqua 1-bit gamma=0.25", "moniqua", {**SGD, "bits": 1, "gamma": 0.25}),
-    ("Moniqua 1-bit C=0.5", "moniqua", {**SGD, "bits": 1, "theta_c": 0.5}),
-    ("Moniqua 1-bit C=0.25", "moniqua", {**SGD, "bits": 1, "theta_c": 0.25}),
-    ("Moniqua 1-bit C=2", "moniqua", {**SGD, "bits": 1, "theta_c": 2.0}),
-    ("Moniqua 2-bit (defaults)", "moniqua", {**SGD, "bits": 2}),
-    ("Moniqua 2-bit gamma=1", "moniqua", {**SGD, "bits": 2, "gamma": 1.0}),
-    ("Moniqua 8-bit (defaults)", "moniqua", {**SGD, "bits": 8}),
+    ("Moniqua default (4-bit, 1/4)", "moniqua", SGD),
+    ("Moniqua default C=0.5", "moniqua", {**SGD, "theta_c": 0.5}),
+    ("Moniqua default C=0.25", "moniqua", {**SGD, "theta_c": 0.25}),
+    ("Moniqua default C=2", "moniqua", {**SGD, "theta_c": 2.0}),
+    ("Moniqua default nearest", "moniqua", {**SGD, "rounding": "nearest"}),
+    ("Moniqua 4-bit 1/2", "moniqua", {**SGD, "parts": 2}),
+    ("Moniqua 1-bit 1/1 per tensor", "moniqua", {**SGD, "bits": 1, "parts": 1}),
+    ("Moniqua paper 1-bit", "moniqua", {**SGD, **PAPER}),
+    ("Moniqua paper 1-bit gamma=1", "moniqua", {**SGD, **PAPER, "gamma": 1.0}),
+    ("Moniqua 8-bit 1/1", "moniqua", {**SGD, "bits": 8, "parts": 1}),
 ]
 
 
@@ -64,7 +66,8 @@ def run(mpi_comm, label: str, algorithm: str, options: dict, epochs: int) -> dic
     return {"label": label, "algorithm": algorithm, "options": options, "steps": steps, "test_accuracy": acc,
             "test_loss": loss, "bytes_sent_per_rank": sent, "wall_seconds": 0.0,
             "bits_per_parameter_per_step": 8 * contributed / steps / algo.flat.numel,
-            "resyncs": stats.get("resyncs", 0), "final_theta": stats.get("theta"), "final_gamma": stats.get("gamma")}
+            "wrapped_parts": stats.get("wrapped_parts", 0), "final_theta_max": stats.get("theta_max"),
+            "final_gamma": stats.get("gamma")}
 
 
 def main() -> None:
@@ -76,7 +79,7 @@ def main() -> None:
     if comm.Get_rank() == 0:
         report(rows, "D-PSGD", JSON, f"Moniqua options, ring of {comm.Get_size()} ranks, {epochs} epochs, batch 16")
         for r in rows:
-            print(f"{r['label']:<28} resyncs {r['resyncs']:>4}  final theta {r['final_theta']}  "
+            print(f"{r['label']:<30} wrapped parts {r['wrapped_parts']:>4}  final theta max {r['final_theta_max']}  "
                   f"gamma {r['final_gamma']}")
 
 

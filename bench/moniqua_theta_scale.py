@@ -26,7 +26,7 @@ from models.resnet import build_model  # noqa: E402
 
 from bench.apprun import markdown_table  # noqa: E402
 from mpicomm import topology  # noqa: E402
-from mpicomm.algorithms.moniqua import mixing_time  # noqa: E402
+from mpicomm.algorithms.moniqua_theta import mixing_time  # noqa: E402
 
 LR, MOMENTUM, GAMMA, RANKS = 0.1, 0.9, 0.5, 4
 

@@ -1,6 +1,6 @@
 """Time to accuracy of the decentralized methods and AllReduce-SGD, at three network settings.
 
-    python bench/time_to_accuracy.py [--settings fast,gbit,slow] [--epochs 6] [--target 0.70] [--fresh]
+    python bench/time_to_accuracy.py [--settings fast,gbit,slow] [--epochs 6] [--target 0.70] [--fresh] [--out NAME]
 
 Every case is a real 4-rank ``mpiexec`` job of ``apps/train_resnet.py`` (ResNet-20, embedded digits
 data, 32 images per rank per step, lr 0.1 cosine, momentum 0.9, ring, one evaluation of the averaged
@@ -12,7 +12,7 @@ The 4 ranks share 2 cores (OMP_NUM_THREADS=1), so compute per step is about twic
 own core needs (``bench/scaling.py`` measures the factor): communication looks cheaper next to compute
 than it would on 4 real machines.
 
-Writes docs/results/time_to_accuracy.{md,json,png}.
+Writes docs/results/time_to_accuracy.{md,json,png} (``--out NAME``: docs/results/NAME.*, e.g. for one setting).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ QSGD4 = ["--codec", "qsgd", "--codec-options", "bits=4"]
 CASES = [  # label, arguments
     ("AllReduce-SGD", ["--algorithm", "allreduce_sgd"]),
     ("D-PSGD", ["--algorithm", "dpsgd"]),
-    ("Moniqua 1-bit", ["--algorithm", "moniqua", "--bits", "1"]),
-    ("Moniqua 2-bit", ["--algorithm", "moniqua", "--bits", "2"]),
-    ("Moniqua 8-bit", ["--algorithm", "moniqua", "--bits", "8"]),
+    ("Moniqua default ~1 bit", ["--algorithm", "moniqua"]),  # 4 bits on a rotating quarter of each tensor
+    ("Moniqua 4-bit 1/2 ~2 bit", ["--algorithm", "moniqua", "--parts", "2"]),
+    ("Moniqua paper 1-bit", ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model",
+                             "--rounding", "nearest", "--gamma", "0.5"]),
     ("CHOCO qsgd 4-bit", ["--algorithm", "choco", *QSGD4, "--gamma", "0.6"]),
     ("DCD qsgd 4-bit", ["--algorithm", "dcd", *QSGD4]),
     ("PD-SGDM p=4", ["--algorithm", "pdsgdm", "--period", "4"]),
@@ -46,6 +47,7 @@ def main() -> None:
     parser = bench_parser(__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--target", type=float, default=0.70, help="test accuracy of the averaged model")
+    parser.add_argument("--out", default="time_to_accuracy", help="output name under docs/results/")
     args = parser.parse_args()
     results = run_grid("time_to_accuracy", "train_resnet.py", RANKS, [*BASE, "--epochs", str(args.epochs)],
                        CASES, args.settings, fresh=args.fresh)
@@ -80,7 +82,7 @@ def main() -> None:
               "train s"]
     title = (f"ResNet-20 on digits, {RANKS} ranks (2 cores), ring, {args.epochs} epochs; "
              f"settings {describe(args.settings)}")
-    write_outputs("time_to_accuracy", title, markdown_table(header, rows),
+    write_outputs(args.out, title, markdown_table(header, rows),
                   {"target": args.target, "ranks": RANKS, "rows": payload}, panels)
 
 

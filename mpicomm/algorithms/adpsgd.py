@@ -64,11 +64,11 @@ from ..codecs._layout import chunk_elems, chunk_ranges
 from ..comm.rma import Mailbox, passive_progress_warning
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
-from .moniqua import (
+from .moniqua_single import (
     HEADER_BYTES,
     IDENTITY_BITS,
     LatticeFingerprint,
-    MoniquaConfig,
+    SingleThetaConfig,
     ThetaBoundError,
     ThetaRule,
     inf_norm,
@@ -103,7 +103,7 @@ class ADPSGDConfig(AlgorithmConfig):
 
 
 @dataclass(frozen=True)
-class MoniquaADPSGDConfig(MoniquaConfig):
+class MoniquaADPSGDConfig(SingleThetaConfig):
     """Moniqua-AD-PSGD options: Moniqua's (bits, rounding, gamma, theta, theta_c, guard, ...)."""
 
 

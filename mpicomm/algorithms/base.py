@@ -157,6 +157,10 @@ class Algorithm(abc.ABC):
     def close(self) -> None:
         """Collective: release communication resources (asynchronous algorithms free their windows)."""
 
+    def metrics(self) -> dict[str, Any]:
+        """Algorithm-specific fields for each ``metrics.jsonl`` record (rank 0's; not collective). None here."""
+        return {}
+
     def set_lr(self, lr: float) -> None:
         """Change the step size (learning-rate schedules call this every step)."""
         check_range("lr", lr, lo=0.0)

@@ -14,16 +14,17 @@ of step k, W the mixing matrix of ``comm.topology(k)``)::
 With a constant step size the middle line is the paper's ``2 x_k - x_{k-1} - alpha (g_k - g_{k-1})``;
 keeping alpha_{k-1} makes learning-rate schedules exact. Extra memory: x_{k-1} and g_{k-1} (D² needs
 both; Moniqua adds only payload-sized buffers, see :mod:`.moniqua`). D² has no momentum (a momentum
-other than 0 is a configuration error). Moniqua-D²'s adaptive theta uses the same statistic as Moniqua,
-alpha ||g_k||_inf. With ``bits=32`` and gamma = 1 Moniqua-D² runs the very same code as ``d2`` and
+other than 0 is a configuration error). With ``bits=32`` and gamma = 1 Moniqua-D² runs the very same code as ``d2`` and
 equals it bit for bit.
 
-Guard (see :mod:`.moniqua`): without wraps Moniqua's mixing preserves the average exactly (W doubly
-stochastic, every rank recovers the same grid point), which D² relies on: its recursion keeps
-x̄_{k+1} - x̄_k = -alpha ḡ_k. A wrap moves the average, and D² would carry that step into every later
-step (a constant drift, i.e. a gradient bias; measured: 4 bits, two wraps, loss gap 0.58 instead of
-3e-9). So after the guard's resync round Moniqua-D² also restarts its recursion: the next step is a
-first step again (x_{k+1/2} = x_k - alpha g_k).
+Guard (see :mod:`.moniqua`): Moniqua's mixing preserves the average exactly (every step's matrix is W on
+the parts sent and I elsewhere, both doubly stochastic; every rank recovers the same lattice point), which
+D² relies on: its recursion keeps x̄_{k+1} - x̄_k = -alpha ḡ_k. The guard checks before it mixes, so a
+wrap never moves the average; the skipped part is mixed with I instead of W that step, and D²'s
+extrapolation assumes the same mixing on consecutive steps, so Moniqua-D² restarts its recursion after a
+wrap: the next step is a first step again (x_{k+1/2} = x_k - alpha g_k). Moniqua-D² shares Moniqua's
+options and defaults (theta per tensor, dither, rotating parts); its theta statistic is alpha ||g_k||_inf
+per tensor.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from ..codecs._layout import chunk_elems, chunk_ranges
 from .base import Algorithm, AlgorithmConfig
 from .dpsgd import gossip_average
-from .moniqua import ModuloGossip, MoniquaConfig, local_step_inf
+from .moniqua import ModuloGossip, MoniquaConfig
 from .registry import register
 
 __all__ = ["D2", "D2Config", "MoniquaD2", "MoniquaD2Config"]
@@ -127,16 +128,24 @@ class MoniquaD2(D2):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        self.gossip = ModuloGossip(comm, self.config, self.flat.numel, self.flat.data.device)
+        self.gossip = ModuloGossip(comm, self.config, self.flat)
 
     def _mix(self, x, grad):
-        size = 0.0 if self.gossip.identity else local_step_inf(grad, self.lr)
-        if self.gossip.mix(x, self.step_count, size):
-            self.started = False  # a wrap moved the average; D² would integrate that for ever: restart it
+        if self.gossip.mix(x, self.step_count, self.gossip.step_sizes(grad, self.lr)):
+            self.started = False  # a skipped part mixed with I this step, not W: restart D²'s recursion
 
     def stats(self):
-        """Base stats plus theta, B, gamma and the guard's counters."""
+        """Base stats plus theta's range, gamma and the guard's counters."""
         return {**super().stats(), **self.gossip.stats()}
+
+    def metrics(self):
+        """theta and wrapped parts per tensor group (see :meth:`ModuloGossip.metrics`)."""
+        return self.gossip.metrics()
+
+    def close(self):
+        """Summarise the guard once (rank 0), then close."""
+        self.gossip.close()
+        super().close()
 
     def _extra_state(self):
         return {**super()._extra_state(), "gossip": self.gossip.state_dict()}

@@ -1,393 +1,288 @@
-"""Moniqua on D-PSGD: modulo-quantized gossip, plus the theta rule and guard its variants share.
+"""Moniqua on D-PSGD: modulo-quantized gossip with a theta per tensor, a shared dither and rotating parts.
 
 Lu, De Sa. "Moniqua: Modulo Quantized Communication in Decentralized SGD." ICML 2020.
 
-Step k on rank i (W the mixing matrix of ``comm.topology(k)``, N(i) its in-neighbours plus i itself,
-B = B_theta = 2 theta / (1 - 2 delta), Q the b-bit quantizer of ``ModuloCodec``)::
+Step k on rank i (W the mixing matrix of ``comm.topology(k)``, N(i) its in-neighbours, S_l the part of
+tensor l sent at step k (:mod:`.moniqua_parts`), theta_l from :mod:`.moniqua_theta`, the b-bit lattice
+codec of :mod:`mpicomm.codecs.lattice` with B_l = 2 theta_l / (1 - 2 delta))::
 
-    q_i  = Q(cmod(x_i / B, 1))                       b bits per coordinate, sent to the out-neighbours
-    x̂_j = cmod(q_j B - x_i, B) + x_i                for every j in N(i), including j = i
-    x_i <- x_i + gamma * sum_j W_ij (x̂_j - x̂_i) - alpha g_i      (torch SGD step; momentum if set)
+    q_{i,l} = b-bit code of x_i on S_l (dither u keyed by (seed, k, coordinate))   sent to out-neighbours
+    x̂_j    = recovery of q_j from x_i on S_l, for j in N(i) and j = i           (check: nothing touched yet)
+    w_l     = max over ranks and edges of [fingerprint of x̂_j on S_l != j's own]  (allreduce(max), with theta's inputs)
+    x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i)           only for tensors with w_l = 0 (then mix)
+    x_i <- x_i - alpha (mu buf + g)                      torch SGD step
 
-``bits=32`` is the identity: x̂_j = x_j exactly, the fp32 model is sent, and with gamma = 1 the mixing
-runs through D-PSGD's own ``gossip_average``, so Moniqua(bits=32, gamma=1) *is* ``dpsgd`` bit for bit.
-gamma defaults to 0.5 at 1-2 bits (gamma < 1 is needed there, docs/ALGORITHMS.md) and 1 otherwise.
+Defaults: 4 bits on a rotating quarter of each tensor (``bits=4, parts=4``: about 1 bit per parameter
+per step with headers and the collective), ``gamma=1``, theta per tensor, dither, ``guard="skip"``. The
+paper's form (one theta, 1 bit on every coordinate) is ``bits=1, parts=1, theta_per="model",
+rounding="nearest", gamma=0.5``. ``bits=32`` (with ``parts=1``) is the identity: the fp32 model is sent
+and, with gamma = 1, mixed by D-PSGD's own ``gossip_average``: Moniqua(bits=32, gamma=1) *is* ``dpsgd``
+bit for bit.
 
-theta (:class:`ThetaRule`): fixed (``theta=0.05``), or ``theta="adaptive"`` (default):
-``theta_k = 2 C M_k t_mix``, C = ``theta_c`` (default 1), M_k a running bound (decay ``theta_decay``
-per step) on ``max_i ||alpha (mu buf_i + g_i)||_inf``, the size of the local SGD step (momentum buffer
-included), and ``t_mix = max(1, ln n) / (1 - rho)``, rho the contraction of the damped mixing
-``(1 - gamma) I + gamma W`` over one period of the schedule. Why: two neighbours' local steps can push
-them 2 M apart per step and gossip removes a fraction 1 - rho of the disagreement per step, so it
-settles near 2 M / (1 - rho); log n is the paper's allowance for the max over coordinates and ranks.
-The adaptive theta never grows by itself (theta_k <= theta_{k-1}, except to stay above the floor): it
-shrinks as gradients do and grows only when the guard sees evidence. Following a growing gradient is
-a positive feedback at low bit widths: the quantization error (delta B = theta at 1 bit) kicks the
-model, the gradient grows, theta grows (measured in simulation: 1 and 2 bits on 8-rank rings
-diverged). The floor ``2^-12 max_i ||x_i||_inf`` keeps the grid well above float32 resolution. Every
-input of theta is agreed by one allreduce(max) per step, so theta is identical on every rank.
+Why it still converges. Per coordinate, step k mixes with W on the coordinates of the parts sent and with
+I elsewhere (and on any part the guard skipped): every step's matrix is doubly stochastic, so the average
+is preserved exactly (up to float rounding) and over any P consecutive steps each coordinate is mixed
+exactly once by W. Moniqua's convergence theorem for D-PSGD (and the D-PSGD analysis it builds on, Lian
+et al. 2017) takes one fixed W with spectral gap 1 - rho; here it is applied to the product over a period
+of P steps, which has that gap per period, so the argument holds with t_mix multiplied by P (what changes:
+theta's bound and the consensus error grow with P t_mix instead of t_mix). Koloskova et al., "A Unified
+Theory of Decentralized SGD with Changing Topology and Local Updates" (ICML 2020) covers such time-varying
+doubly stochastic mixing with an expected contraction over tau = P steps. The price is slower consensus,
+paid for with 4 bits instead of 1 on the coordinates that are sent: at 1 bit the quantization error is
+as large as theta and keeps neighbours about theta apart by itself (issue 13's simulation; the MLP bench),
+so the recovery condition |x_i - x_j| < theta fails without any gradient.
 
-Guard (cheap and exact): each message carries an 8-byte header, a fingerprint of the grid points the
-sender recovers from its own payload (:class:`LatticeFingerprint`); each receiver fingerprints its own
-recovery of that payload. They differ exactly when some coordinate wrapped (|x_i - x_j| went past the
-modulo range), up to a 2^-20 chance that several wraps cancel. The wrap count rides on the per-step
-allreduce, so every rank learns it at once. ``guard="raise"`` then raises :class:`ThetaBoundError` on
-every rank; ``guard="resync"`` (default) logs a warning with the step and the measured max
-|x_i - x_j|_inf, runs one full-precision D-PSGD mixing round, doubles theta's scale (at most
-``theta_cap``, default 16, in all) and, at 1-2 bits, divides gamma by the same factor so that the
-quantization error each consensus step injects, gamma delta B, stays what it was (:func:`keeps_error`;
-enlarging theta alone diverged at 1 bit in simulation). At the cap theta stops growing; each further
-wrap costs one full-precision round and a warning: training goes on at D-PSGD quality, never on silent
-garbage. The step that detects a wrap has already applied its update; a wrapped coordinate's consensus
-term is still bounded by gamma (1 - W_ii) B, and the resync round that follows averages it.
+Guard, check then mix: every (edge, tensor) is decoded and fingerprinted (one int32 per tensor in the
+header, :mod:`.moniqua_guard`) before x is touched; the per-tensor wrap flags ride on the per-step
+allreduce(max) with theta's statistics, so every rank skips the same parts and the average stays exact.
+``guard="resync"`` then also mixes the wrapped parts at full precision (an fp32 neighbour exchange of just
+those parts); ``guard="raise"`` raises :class:`ThetaBoundError` on every rank. A wrap doubles that
+tensor's theta scale (at most ``theta_cap``), clean steps shrink it back (``theta_shrink``, not below 1).
+Wraps are counted per tensor group (:meth:`Moniqua.metrics`, ``metrics.jsonl``) and summarised once by
+rank 0 at the end (:meth:`ModuloGossip.close`), never per step.
 
-Memory beyond the model: no model-sized buffer. Persistent: the send buffer (8 + ceil(d b / 8) bytes)
-and the receive rows (in-degree x the same), against D-PSGD's in-degree x 4d bytes of receive rows.
-Transient per step: chunk-sized float temporaries (at most 2^18 elements each on a CPU); a resync round
-allocates D-PSGD's fp32 receive rows for its duration only.
+Memory beyond the model: no model-sized buffer per neighbour. Persistent: the send message and the
+receive rows (in-degree x message bytes). Transient per step: the mixing increment, dither and
+fingerprint weights of the coordinates sent (d / P x 16 bytes), chunk-sized temporaries, and a d-sized
+temporary for the per-tensor norms.
 
-Traffic per step: (8 + ceil(d b / 8)) bytes to each out-neighbour in one neighbour collective, plus an
-allreduce of 4 float64 (32 bytes; booked by the Ledger as 2 (n - 1) / n x 32). bits=32: 4d per neighbour.
+Traffic per step: ``4 T + sum_l ceil(ceil(n_l / P) b / 8)`` bytes (rounded up to a multiple of 4) to each
+out-neighbour in one neighbour collective, plus an allreduce(max) of 2 T float32 (T tensors; booked by the
+Ledger as 2 (n - 1) / n x 8 T bytes); the first step of an adaptive theta adds one allreduce of T float32.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Union
 
-import numpy as np
 import torch
 
-from ..codecs import ModuloCodec
+from ..codecs import lattice
 from ..codecs._layout import chunk_elems, chunk_ranges
+from ..codecs._rng import SeededGenerator
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
+from .moniqua_guard import GuardRecord, lattice_fingerprint, low31, resync_parts
+from .moniqua_parts import PartLayout, tensor_inf
+from .moniqua_single import IDENTITY_BITS, ThetaBoundError, default_gamma
+from .moniqua_theta import TensorTheta, mixing_time
 from .registry import register
 
-__all__ = [
-    "GUARDS",
-    "HEADER_BYTES",
-    "IDENTITY_BITS",
-    "THETA_FLOOR",
-    "LatticeFingerprint",
-    "Moniqua",
-    "MoniquaConfig",
-    "ModuloGossip",
-    "ThetaBoundError",
-    "ThetaRule",
-    "coordinate_hashes",
-    "default_gamma",
-    "inf_norm",
-    "keeps_error",
-    "int64_bytes",
-    "local_step_inf",
-    "matrix_mixing_time",
-    "mixing_time",
-    "payload_slice",
-    "read_int64",
-]
+__all__ = ["GUARDS", "ModuloGossip", "Moniqua", "MoniquaConfig"]
 
-log = logging.getLogger(__name__)
-
-IDENTITY_BITS = 32
-"""``bits`` value meaning "no codec": the fp32 model is sent and x̂_j = x_j exactly."""
 MODULO_BITS = (1, 2, 4, 8)
-GUARDS = ("resync", "raise")
-HEADER_BYTES = 8
-THETA_FLOOR = 2.0**-12
-"""Adaptive theta is at least this times max_i ||x_i||_inf (8-bit grid >= 16 float32 ulps)."""
-_HASH_BITS = 20
-_HASH_MASK = (1 << _HASH_BITS) - 1
-_SUM_MASK = (1 << 62) - 1
-
-
-def keeps_error(codec: ModuloCodec) -> bool:
-    """Whether the guard divides gamma when it enlarges theta: when delta B >= theta / 4 (1-2 bits).
-
-    There the quantization error is of the order of the bound itself, and enlarging theta alone enlarges
-    the error each consensus step injects (measured: diverged at 1 bit); dividing gamma by the same factor
-    keeps gamma * delta * B constant. At 4-8 bits (nearest) delta B <= theta / 15 and gamma is left alone.
-    """
-    return 2.0 * codec.delta / (1.0 - 2.0 * codec.delta) >= 0.25
-
-
-def default_gamma(bits: int) -> float:
-    """gamma when none is given: 0.5 at 1-2 bits (gamma < 1 is needed there, see the docs), else 1.0."""
-    return 0.5 if bits <= 2 else 1.0
-
-
-class ThetaBoundError(RuntimeError):
-    """Moniqua's modulo recovery wrapped (|x_i - x_j|_inf exceeded the range) and ``guard="raise"``."""
+GUARDS = ("skip", "resync", "raise")
 
 
 @dataclass(frozen=True)
 class MoniquaConfig(AlgorithmConfig):
     """Moniqua options.
 
-    bits: 1, 2, 4 or 8 (modulo codec) or 32 (identity, full precision). rounding: "nearest" or
-    "stochastic" (bits >= 2). gamma: consensus step in (0, 1]; None picks :func:`default_gamma`.
-    theta: a number > 0 (fixed) or "adaptive". theta_c: C of the adaptive rule. theta_decay: per-step
-    decay of its running gradient bound, in [0, 1]. guard: "resync" or "raise". theta_cap: the most the
-    guard may enlarge theta, a factor >= 1.
+    bits: 1, 2, 4 or 8 (modulo codec) or 32 (identity). parts: P, each tensor sends one of P rotating
+    parts per step (1: every coordinate). rounding: "dither" (shared subtractive), "nearest" or
+    "stochastic" (bits >= 2). gamma: consensus step in (0, 1]; None: 0.5 at 1-2 bits, else 1.
+    theta: a number > 0 (fixed) or "adaptive". theta_per: "tensor" or "model" (one theta, the paper's).
+    theta_c: C of the adaptive rule. theta_decay: per-step decay of its running step bound, in [0, 1].
+    theta_shrink: the guard scale's factor on a clean step, in (0, 1]. theta_cap: the most the guard
+    may enlarge theta, >= 1. guard: "skip", "resync" or "raise".
     """
 
-    bits: int = 1
-    rounding: str = "nearest"
+    bits: int = 4
+    parts: int = 4
+    rounding: str = "dither"
     gamma: Union[float, None] = None
     theta: Union[float, str] = "adaptive"
+    theta_per: str = "tensor"
     theta_c: float = 1.0
     theta_decay: float = 0.99
-    guard: str = "resync"
+    theta_shrink: float = 0.9
     theta_cap: float = 16.0
+    guard: str = "skip"
 
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.bits, bool) or self.bits not in (*MODULO_BITS, IDENTITY_BITS):
             raise ValueError(f"bits must be one of 1, 2, 4, 8 (modulo codec) or 32 (identity), got {self.bits!r}")
-        if self.rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
+            raise ValueError(f"parts must be an int >= 1, got {self.parts!r}")
+        if self.bits == IDENTITY_BITS and self.parts != 1:
+            raise ValueError(f"parts must be 1 with bits=32 (the identity sends the whole model), got {self.parts}")
+        if self.rounding not in lattice.ROUNDINGS:
+            raise ValueError(f"rounding must be one of {lattice.ROUNDINGS}, got {self.rounding!r}")
         if self.rounding == "stochastic" and self.bits == 1:
-            raise ValueError(
-                "rounding='stochastic' needs bits >= 2: on a 2-level grid its error is a whole grid step "
-                "(delta = 1/2), so B_theta = 2*theta/(1 - 2*delta) is infinite and no model can be recovered; "
-                "use rounding='nearest' at 1 bit"
-            )
+            raise ValueError("rounding='stochastic' needs bits >= 2 (at 1 bit B_theta is infinite); "
+                             "rounding='dither' gives a zero-mean error without a dead zone at 1 bit")
         if self.gamma is None:
             object.__setattr__(self, "gamma", default_gamma(self.bits))
         check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
-        if self.theta != "adaptive":
-            if isinstance(self.theta, bool) or not isinstance(self.theta, Real) or not (
-                math.isfinite(self.theta) and self.theta > 0
-            ):
-                raise ValueError(f"theta must be 'adaptive' or a finite number > 0, got {self.theta!r}")
+        if self.theta != "adaptive" and (isinstance(self.theta, bool) or not isinstance(self.theta, Real)
+                                         or not (math.isfinite(self.theta) and self.theta > 0)):
+            raise ValueError(f"theta must be 'adaptive' or a finite number > 0, got {self.theta!r}")
+        if self.theta_per not in ("tensor", "model"):
+            raise ValueError(f"theta_per must be 'tensor' or 'model', got {self.theta_per!r}")
         check_range("theta_c", self.theta_c, lo=0.0, lo_open=True)
         check_range("theta_decay", self.theta_decay, lo=0.0, hi=1.0)
+        check_range("theta_shrink", self.theta_shrink, lo=0.0, hi=1.0, lo_open=True)
+        check_range("theta_cap", self.theta_cap, lo=1.0)
         if self.guard not in GUARDS:
             raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
-        check_range("theta_cap", self.theta_cap, lo=1.0)
-
-
-def mixing_time(schedule, gamma: float) -> float:
-    """t_mix of the damped mixing ``(1 - gamma) I + gamma W_t`` over one period of ``schedule``."""
-    n = schedule.size
-    return matrix_mixing_time([(1.0 - gamma) * np.eye(n) + gamma * schedule.at(t).W for t in range(schedule.period)])
-
-
-def matrix_mixing_time(matrices) -> float:
-    """``max(1, ln n) / (1 - rho)``, rho = ||prod_t (M_t - 11^T/n)||_2^(1/period); 1 for n = 1."""
-    n = matrices[0].shape[0]
-    if n == 1:
-        return 1.0
-    J = np.full((n, n), 1.0 / n)
-    prod = np.eye(n)
-    for M in matrices:
-        prod = (M - J) @ prod
-    rho = float(np.linalg.norm(prod, 2)) ** (1.0 / len(matrices))
-    return max(1.0, math.log(n)) / max(1.0 - rho, 1e-12)
-
-
-class ThetaRule:
-    """theta for the next step: fixed, or adaptive ``2 C M t_mix`` (non-increasing); times the guard's scale."""
-
-    def __init__(self, config: MoniquaConfig, t_mix: float):
-        self.fixed = None if config.theta == "adaptive" else float(config.theta)
-        self.c, self.decay, self.cap, self.t_mix = config.theta_c, config.theta_decay, config.theta_cap, t_mix
-        self.bound: float | None = None  # running bound M on the agreed local-step size
-        self.base: float | None = None  # adaptive theta before the guard's scale
-        self.scale = 1.0
-
-    def ready(self) -> bool:
-        """Whether theta is known (adaptive needs one observation first)."""
-        return self.fixed is not None or self.base is not None
-
-    def observe(self, step_inf: float, x_inf: float) -> None:
-        """Fold in one step's max_i local-step size and max_i ||x_i||_inf (identical on every rank)."""
-        self.bound = step_inf if self.bound is None else max(self.decay * self.bound, step_inf)
-        if self.fixed is None:
-            wanted = 2.0 * self.c * self.bound * self.t_mix
-            base = wanted if self.base is None else min(self.base, wanted)
-            self.base = max(base, THETA_FLOOR * x_inf, 1e-30)
-
-    def theta(self) -> float:
-        """theta of the next step."""
-        return (self.base if self.fixed is None else self.fixed) * self.scale
-
-    def enlarge(self) -> float:
-        """Double the scale, up to ``theta_cap``; return the factor actually applied (1.0 at the cap)."""
-        new = min(2.0 * self.scale, self.cap)
-        factor, self.scale = new / self.scale, new
-        return factor
-
-    def state_dict(self) -> dict[str, Any]:
-        """Running bound, adaptive base and the guard's scale."""
-        return {"bound": self.bound, "base": self.base, "scale": self.scale}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.bound, self.base, self.scale = state["bound"], state["base"], float(state["scale"])
-
-
-def coordinate_hashes(start: int, stop: int) -> torch.Tensor:
-    """Odd 20-bit pseudo-random weights of coordinates ``start..stop-1`` (an LCG's high bits), int64."""
-    c = torch.arange(start, stop, dtype=torch.int64).bitwise_and_((1 << 31) - 1)
-    return c.mul_(1103515245).add_(12345).bitwise_and_((1 << 31) - 1).bitwise_right_shift_(11).bitwise_or_(1)
-
-
-def payload_slice(payload: torch.Tensor, bits: int, start: int, stop: int) -> torch.Tensor:
-    """The bytes of a packed payload holding coordinates ``start..stop-1`` (``start`` a multiple of 8)."""
-    return payload[start * bits // 8:(stop * bits + 7) // 8]
-
-
-class LatticeFingerprint:
-    """Fingerprint of the grid points a modulo recovery landed on; two recoveries of one payload match iff no wrap.
-
-    Every recovered value is ``B * (offset + L / 2^b)`` for an integer L (``offset`` is probed from the
-    codec, so its grid convention is not restated here). The fingerprint is
-    ``sum_c H_c * (L_c mod 2^20)  mod 2^62`` with odd pseudo-random 20-bit H_c: exact integer arithmetic
-    (chunk sums < 2^62), so sender and receiver agree bit for bit unless some L_c differs. A wrap changes
-    L_c by a multiple of 2^b; cancelling wraps go unnoticed with probability about 2^-20.
-    """
-
-    def __init__(self, codec: ModuloCodec, chunk: int):
-        probe = codec.decode(torch.zeros(codec.payload_bytes(1), dtype=torch.uint8), torch.zeros(1), 1.0)
-        self.codec, self.chunk_size = codec, chunk
-        self.levels = float(1 << codec.bits)
-        self.shift = float(probe[0]) * self.levels
-
-    def chunk(self, x_hat: torch.Tensor, hashes: torch.Tensor, B: float) -> int:
-        """The (unreduced) contribution of one recovered chunk, given its coordinates' ``hashes``."""
-        grid = x_hat.double().mul_(self.levels / B).sub_(self.shift).round_().long().bitwise_and_(_HASH_MASK)
-        return int(grid.mul_(hashes).sum())
-
-    def of(self, payload: torch.Tensor, reference: torch.Tensor, B: float) -> tuple[int, float]:
-        """Fingerprint of ``decode(payload, reference, B)`` and its max distance to ``reference``, chunk by chunk."""
-        total, distance, bits = 0, 0.0, self.codec.bits
-        for start, stop in chunk_ranges(reference.numel(), self.chunk_size):
-            ref = reference[start:stop]
-            x_hat = self.codec.decode(payload_slice(payload, bits, start, stop), ref, B)
-            total += self.chunk(x_hat, coordinate_hashes(start, stop), B)
-            distance = max(distance, float(x_hat.sub_(ref).abs_().max()))
-        return total & _SUM_MASK, distance
 
 
 class ModuloGossip:
-    """Moniqua's mixing ``x <- x + gamma sum_j W_ij (x̂_j - x̂_i)`` on one rank, with its theta rule and guard."""
+    """Moniqua's mixing ``x[S] += gamma sum_j W_ij (x̂_j - x̂_i)`` on one rank, with theta per tensor and guard."""
 
-    def __init__(self, comm, config: MoniquaConfig, numel: int, device: torch.device):
-        self.comm, self.config, self.numel = comm, config, numel
-        self.gamma = config.gamma
+    def __init__(self, comm, config: MoniquaConfig, flat):
+        self.comm, self.config, self.gamma = comm, config, config.gamma
         self.identity = config.bits == IDENTITY_BITS
-        self.resyncs = 0
-        self.last: dict[str, float] = {}
+        self.record = GuardRecord([layer.name for layer in flat.layers])
         if self.identity:
             return
-        self.codec = ModuloCodec(config.bits, config.rounding, seed=config.seed + comm.rank)
-        self.chunk = chunk_elems(device)
-        self.fingerprint = LatticeFingerprint(self.codec, self.chunk)
-        self.rule = ThetaRule(config, mixing_time(comm.schedule, config.gamma))
-        self.payload_bytes = self.codec.payload_bytes(numel)
-        self.send = torch.empty(HEADER_BYTES + self.payload_bytes, dtype=torch.uint8, device=device)
+        self.layout = PartLayout(flat.layers, config.parts, config.bits)
+        self.delta = lattice.delta(config.bits, config.rounding)
+        self.rule = TensorTheta(self.layout.count, config, config.parts * mixing_time(comm.schedule, config.gamma))
+        self.send = torch.zeros(self.layout.message_bytes, dtype=torch.uint8, device=flat.data.device)
+        self.noise = SeededGenerator(config.seed + comm.rank) if config.rounding == "stochastic" else None
+        self.dithered = config.rounding == "dither"
+        self.chunk = chunk_elems(flat.data.device)
 
-    def mix(self, x: torch.Tensor, step: int, step_inf: float) -> bool:
-        """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if the guard resynced.
+    def step_sizes(self, grad: torch.Tensor, lr: float, optimizer=None) -> torch.Tensor:
+        """``||lr (mu buf + grad)_l||_inf`` per tensor: the local step about to be taken (theta's statistic)."""
+        if self.identity:
+            return torch.zeros(0)
+        buf, mu = None, 0.0
+        if optimizer is not None:
+            group = optimizer.param_groups[0]
+            mu = group["momentum"]
+            buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
+        step = grad if buf is None else torch.add(grad, buf, alpha=mu)
+        return tensor_inf(step, self.layout.lengths) * lr
 
-        ``step_inf`` is the size of this rank's local step (:func:`local_step_inf`), the adaptive theta's statistic.
-        """
-        topo = self.comm.topology(step)
-        rank = self.comm.rank
+    def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
+        """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""
+        topo, rank = self.comm.topology(step), self.comm.rank
+        self.record.steps += 1
         if self.identity:
             rows = self.comm.neighbor_allgather(x, step=step)
             _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
             return False
+        statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.lengths))
         if not self.rule.ready():
-            self.rule.observe(*self._agree_max([step_inf, inf_norm(x)]))
+            self.rule.observe(self._agree(statistic))
         theta = self.rule.theta()
-        B = self.codec.b_theta(theta)
-        payload = self.codec.encode(x, B)
-        self.send[:HEADER_BYTES].copy_(int64_bytes(self.fingerprint.of(payload, x, B)[0]))
-        self.send[HEADER_BYTES:].copy_(payload)
+        self.last_theta = theta
+        scales = ((1 << self.config.bits) * (1.0 - 2.0 * self.delta) / (2.0 * theta)).tolist()
+        parts = [self.layout.part(t, step) for t in range(self.layout.count)]
+        coords = torch.cat([torch.arange(a, b, dtype=torch.int64, device=x.device) for a, b in parts])
+        u = lattice.dither(lattice.stream_key(self.config.seed, step), coords) if self.dithered else None
+        sent = (parts, u, lattice.coordinate_hashes(coords))
+        del coords
+        increment, own_fp = self._encode(x, sent, scales, math.fsum(topo.neighbor_weights(rank)))
+        self.layout.header(self.send).copy_(torch.tensor(own_fp, dtype=torch.int32))
         rows = self.comm.neighbor_allgather(self.send, step=step)
-        recovered, fingerprints = self._recover_and_mix(x, payload, rows, topo.neighbor_weights(rank), B)
-        wrapped = sum(int(fp != read_int64(row)) for fp, row in zip(fingerprints, rows))
-        agreed = self._agree_max([wrapped, step_inf, recovered, inf_norm(x)])
-        self.rule.observe(agreed[1], agreed[3])
-        self.last = {"theta": theta, "B": B, "recovered_distance": agreed[2], "wrapped_edges": agreed[0]}
-        if agreed[0] > 0:
-            self._violation(x, step, theta, B, int(agreed[0]), agreed[2])
-        return agreed[0] > 0
+        local = self._decode(x, step, sent, scales, rows, increment)
+        agreed = self._agree(torch.cat([local, statistic]))
+        wrapped, count = agreed[:self.layout.count] > 0, self.layout.count
+        self.rule.observe(agreed[count:])
+        if wrapped.any() and self.config.guard == "raise":
+            raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
+        at = 0
+        for tensor in range(count):
+            start, stop = self.layout.part(tensor, step)
+            if not wrapped[tensor]:
+                x[start:stop].add_(increment[at:at + stop - start], alpha=self.gamma)
+            at += stop - start
+        if wrapped.any():
+            self.record.add(wrapped)
+            if self.config.guard == "resync":
+                resync_parts(self.comm, x, step, [part for part, w in zip(parts, wrapped.tolist()) if w])
+                self.record.resyncs += 1
+        self.rule.guard(wrapped)
+        return bool(wrapped.any())
 
     # ------------------------------------------------------------------ the two passes
-    def _recover_and_mix(self, x, payload, rows, weights, B) -> tuple[float, list[int]]:
-        """Chunk by chunk: recover self and neighbours, fingerprint, x += gamma (sum_j W_ij x̂_j - sum_j W_ij x̂_i)."""
-        size = min(self.chunk, self.numel)
-        own = torch.empty(size, dtype=torch.float32, device=x.device)
-        other, acc = torch.empty_like(own), torch.empty_like(own)
-        wsum, bits = math.fsum(weights), self.config.bits
-        fingerprints, recovered = [0] * len(weights), 0.0
-        for start, stop in chunk_ranges(self.numel, self.chunk):
-            m, xc = stop - start, x[start:stop]
-            hashes = coordinate_hashes(start, stop)
-            self.codec.decode(payload_slice(payload, bits, start, stop), xc, B, out=own[:m])
-            acc[:m].zero_()
-            for k, (w, row) in enumerate(zip(weights, rows)):
-                nb = self.codec.decode(payload_slice(row[HEADER_BYTES:], bits, start, stop), xc, B, out=other[:m])
-                fingerprints[k] += self.fingerprint.chunk(nb, hashes, B)
-                acc[:m].add_(nb, alpha=w)
-                recovered = max(recovered, float(nb.sub_(xc).abs_().max()))
-            acc[:m].sub_(own[:m], alpha=wsum)
-            xc.add_(acc[:m], alpha=self.gamma)
-        return recovered, [fp & _SUM_MASK for fp in fingerprints]
+    def _encode(self, x, sent, scales, wsum) -> tuple[torch.Tensor, list[int]]:
+        """Pack this rank's codes into ``send``; return ``-wsum x̂_i`` on the parts sent and the fingerprints.
 
-    # ------------------------------------------------------------------ guard
-    def _violation(self, x, step, theta, B, wrapped, recovered) -> None:
-        what = (f"Moniqua step {step}: the modulo recovery wrapped on {wrapped} incoming edge(s) of the worst rank "
-                f"(|x_i - x_j|_inf exceeded the range; theta={theta:.4g}, B={B:.4g}, largest recovered "
-                f"distance {recovered:.4g})")
-        if self.config.guard == "raise":
-            raise ThetaBoundError(what + "; raise theta or theta_c, or use guard='resync'")
-        topo = self.comm.topology(step)
-        rank = self.comm.rank
-        rows = torch.empty((len(topo.in_neighbors(rank)), self.numel), dtype=x.dtype, device=x.device)
-        self.comm.neighbor_allgather(x, out=rows, step=step)
-        distance = max((_inf_distance(row, x, self.chunk) for row in rows), default=0.0)
-        gossip_average(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank))
-        del rows
-        distance = self._agree_max([distance])[0]
-        factor = self.rule.enlarge()
-        if keeps_error(self.codec):
-            self.gamma /= factor
-        self.resyncs += 1
-        self.last["true_distance"] = distance
-        log.warning("%s; measured max |x_i - x_j|_inf = %.4g; ran a full-precision round; theta scale -> %g%s, "
-                    "gamma -> %.4g", what, distance, self.rule.scale, " (cap)" if factor == 1.0 else "", self.gamma)
+        ``sent``: the parts ``[(start, stop)]`` per tensor, the dither and the fingerprint weights of their
+        coordinates (concatenated in tensor order).
+        """
+        bits, (parts, u_all, hashes) = self.config.bits, sent
+        increment = torch.empty(hashes.numel(), dtype=torch.float32, device=x.device)
+        fingerprints, at = [], 0
+        for tensor, (start, stop) in enumerate(parts):
+            fp, s = 0, scales[tensor]
+            for lo, hi in chunk_ranges(stop - start, self.chunk):
+                u = None if u_all is None else u_all[at + lo:at + hi]
+                noise = None if self.noise is None else self.noise.uniform_(torch.empty_like(x[:hi - lo]))
+                packed, L = lattice.lattice_encode(x[start + lo:start + hi], s, bits, u, noise)
+                self.layout.slot(self.send, tensor, hi)[lo * bits // 8:].copy_(packed)
+                fp += lattice_fingerprint(L, hashes[at + lo:at + hi])
+                torch.mul(lattice.lattice_value(L, s, u), -wsum, out=increment[at + lo:at + hi])
+            fingerprints.append(low31(fp))
+            at += stop - start
+        return increment, fingerprints
 
-    def _agree_max(self, values) -> list[float]:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        return self.comm.allreduce(t, "max").tolist()
+    def _decode(self, x, step, sent, scales, rows, increment) -> torch.Tensor:
+        """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
+        bits, (parts, u_all, hashes) = self.config.bits, sent
+        weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
+        headers = [self.layout.header(row.clone()).tolist() for row in rows]
+        mismatched = torch.zeros(self.layout.count, dtype=torch.float32)
+        at = 0
+        for tensor, (start, stop) in enumerate(parts):
+            s, fps = scales[tensor], [0] * len(rows)
+            for lo, hi in chunk_ranges(stop - start, self.chunk):
+                u = None if u_all is None else u_all[at + lo:at + hi]
+                for k, (w, row) in enumerate(zip(weights, rows)):
+                    packed = self.layout.slot(row, tensor, hi)[lo * bits // 8:]
+                    L = lattice.lattice_decode(packed, x[start + lo:start + hi], s, bits, u)
+                    fps[k] += lattice_fingerprint(L, hashes[at + lo:at + hi])
+                    increment[at + lo:at + hi].add_(lattice.lattice_value(L, s, u), alpha=w)
+            mismatched[tensor] = float(sum(low31(fp) != header[tensor] for fp, header in zip(fps, headers)))
+            at += stop - start
+        return mismatched
 
-    # ------------------------------------------------------------------ state and stats
+    def _agree(self, values: torch.Tensor) -> torch.Tensor:
+        return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
+
+    def close(self) -> None:
+        """Rank 0 logs one summary of the guard's wrapped parts (see :class:`GuardRecord`)."""
+        self.record.summarise(self.comm.rank, self.config.guard)
+
+    # ------------------------------------------------------------------ stats and state
+    def metrics(self) -> dict[str, Any]:
+        """For ``metrics.jsonl``: the largest theta and the wrapped parts per tensor group, and their total."""
+        if self.identity or not hasattr(self, "last_theta"):
+            return {}
+        return self.record.metrics(self.last_theta)
+
     def stats(self) -> dict[str, Any]:
-        """theta, B, gamma, guard scale and counters of the last step."""
-        if self.identity:
-            return {"gamma": self.gamma}
-        return {"gamma": self.gamma, "theta_scale": self.rule.scale, "resyncs": self.resyncs, **self.last}
+        """gamma, theta's range and the guard's counters."""
+        out = {"gamma": self.gamma, "wrapped_parts": self.record.total(), "resyncs": self.record.resyncs}
+        if not self.identity and hasattr(self, "last_theta"):
+            out.update(theta_min=float(self.last_theta.min()), theta_max=float(self.last_theta.max()),
+                       theta_scale_max=float(self.rule.scale.max()))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """gamma (the guard lowers it), counters, the theta rule and the codec's generator."""
-        out: dict[str, Any] = {"gamma": self.gamma, "resyncs": self.resyncs}
+        """Counters, the theta rule and the stochastic-rounding generator (the dither is keyed by the step)."""
+        out: dict[str, Any] = {"record": self.record.state_dict()}
         if not self.identity:
-            out.update(rule=self.rule.state_dict(), codec=self.codec.state_dict())
+            out["rule"] = self.rule.state_dict()
+            if self.noise is not None:
+                out["noise"] = self.noise.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.gamma, self.resyncs = float(state["gamma"]), int(state["resyncs"])
+        self.record.load_state_dict(state["record"])
         if not self.identity:
             self.rule.load_state_dict(state["rule"])
-            self.codec.load_state_dict(state["codec"])
+            if self.noise is not None:
+                self.noise.load_state_dict(state["noise"])
 
 
 def _gossip(x, rows, self_weight, weights, gamma) -> None:
@@ -396,43 +291,6 @@ def _gossip(x, rows, self_weight, weights, gamma) -> None:
         self_weight = 1.0 - gamma * (1.0 - self_weight)
         weights = [gamma * w for w in weights]
     gossip_average(x, rows, self_weight, weights)
-
-
-def inf_norm(t: torch.Tensor) -> float:
-    """``||t||_inf`` as a float (0 for an empty tensor)."""
-    return float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
-
-
-def _inf_distance(a: torch.Tensor, b: torch.Tensor, chunk: int) -> float:
-    return max((inf_norm(a[s:e] - b[s:e]) for s, e in chunk_ranges(a.numel(), chunk)), default=0.0)
-
-
-def int64_bytes(value: int) -> torch.Tensor:
-    """The 8 bytes of ``value`` as an int64 (a message header field)."""
-    return torch.tensor([value], dtype=torch.int64).view(torch.uint8)
-
-
-def read_int64(row: torch.Tensor) -> int:
-    """The int64 stored in the first 8 bytes of the uint8 tensor ``row``."""
-    return int(row[:HEADER_BYTES].cpu().clone().view(torch.int64)[0])
-
-
-def local_step_inf(grad: torch.Tensor, lr: float, optimizer: torch.optim.SGD | None = None) -> float:
-    """``||lr (mu buf + grad)||_inf``: the size of the local SGD step about to be taken (theta's statistic).
-
-    ``buf`` is the optimizer's momentum buffer (torch SGD: buf <- mu buf + grad, then x -= lr buf); without
-    momentum (or before its first step) this is ``lr ||grad||_inf``. Computed chunk by chunk.
-    """
-    mu, buf = 0.0, None
-    if optimizer is not None:
-        group = optimizer.param_groups[0]
-        mu = group["momentum"]
-        buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
-    if buf is None:
-        return lr * inf_norm(grad)
-    chunk = chunk_elems(grad.device)
-    return lr * max((inf_norm(torch.add(grad[s:e], buf[s:e], alpha=mu)) for s, e in chunk_ranges(grad.numel(), chunk)),
-                    default=0.0)
 
 
 @register
@@ -445,17 +303,25 @@ class Moniqua(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
-        self.gossip = ModuloGossip(comm, self.config, self.flat.numel, self.flat.data.device)
+        self.gossip = ModuloGossip(comm, self.config, self.flat)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
-        size = local_step_inf(grad, self.lr, self.optimizer) if not self.gossip.identity else 0.0
-        self.gossip.mix(self.flat.data, self.step_count, size)
+        self.gossip.mix(self.flat.data, self.step_count, self.gossip.step_sizes(grad, self.lr, self.optimizer))
         self._sgd_step(self.optimizer, self.lr)
 
     def stats(self) -> dict[str, Any]:
-        """Base stats plus theta, B, gamma and the guard's counters."""
+        """Base stats plus theta's range, gamma and the guard's counters."""
         return {**super().stats(), **self.gossip.stats()}
+
+    def metrics(self) -> dict[str, Any]:
+        """theta and wrapped parts per tensor group (see :meth:`ModuloGossip.metrics`)."""
+        return self.gossip.metrics()
+
+    def close(self) -> None:
+        """Summarise the guard once (rank 0), then close."""
+        self.gossip.close()
+        super().close()
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "gossip": self.gossip.state_dict()}

@@ -304,7 +304,7 @@ class _Run:
                    **({"loss_scale": self.precision.scale, "skipped_steps": self.precision.skipped}
                       if cfg.precision == "fp16" else {}),
                    "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
-                   **{f"net_{k}": v for k, v in clock.totals().items()}}
+                   **{f"net_{k}": v for k, v in clock.totals().items()}, **algo.metrics()}
         self.metrics.write(summary)
         return summary
 

@@ -87,7 +87,7 @@ def log_window(metrics, progress, mpi_comm, algo, step, epoch, window, counters,
     size = mpi_comm.Get_size()
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
               "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
-              **algo.comm.ledger.totals()}
+              **algo.comm.ledger.totals(), **algo.metrics()}
     for key, value in zip(sorted(counters), summed[1 + len(timings):]):
         record[f"sum_{key}"] = value
     if "correct" in counters and "count" in counters:

@@ -1,0 +1,107 @@
+"""Moniqua's guard: fingerprints that detect a wrapped recovery, the record of wrapped parts, the resync.
+
+A tensor's fingerprint is ``sum_c H_c (L_c mod 2^20)`` over the lattice points L_c of its part (H_c odd
+pseudo-random 20-bit weights of the flat coordinates): exact int64 arithmetic, so the sender's and a
+receiver's agree bit for bit unless some L_c differs, and a wrap moves L_c by a multiple of 2^b
+(cancelling wraps go unnoticed with probability about 2^-20). The header carries its low 31 bits.
+
+The record counts the wrapped parts per tensor and per tensor group (the first two levels of the
+parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and for one summary that rank 0
+logs at the end: the wrap flags are agreed by every rank, so rank 0 speaks for all.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .dpsgd import gossip_average
+
+__all__ = ["GuardRecord", "lattice_fingerprint", "low31", "resync_parts"]
+
+log = logging.getLogger("mpicomm.algorithms.moniqua")
+
+_HASH_MASK = (1 << 20) - 1
+
+
+def lattice_fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
+    """``sum_c H_c (L_c mod 2^20)`` (exact int64; ``hashes`` the coordinates' odd 20-bit H_c)."""
+    return int(L.bitwise_and(_HASH_MASK).mul_(hashes).sum())
+
+
+def low31(value: int) -> int:
+    """The low 31 bits of ``value`` (a non-negative int32 header field)."""
+    return value & 0x7FFFFFFF
+
+
+def resync_parts(comm, x: torch.Tensor, step: int, parts: list[tuple[int, int]]) -> None:
+    """Mix the flat slices ``parts`` of ``x`` at full precision: one fp32 neighbour exchange of just those slices."""
+    topo, rank = comm.topology(step), comm.rank
+    mine = torch.cat([x[a:b] for a, b in parts])
+    rows = comm.neighbor_allgather(mine, step=step)
+    gossip_average(mine, rows, topo.self_weight(rank), topo.neighbor_weights(rank))
+    at = 0
+    for a, b in parts:
+        x[a:b].copy_(mine[at:at + b - a])
+        at += b - a
+
+
+class GuardRecord:
+    """Wrapped parts per tensor (and group), resyncs and mixing steps; identical on every rank."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.group_of = [".".join(name.split(".")[:-1][:2]) or name for name in names]
+        self.groups = sorted(set(self.group_of))
+        self.wrapped = torch.zeros(len(names), dtype=torch.int64)
+        self.resyncs, self.steps = 0, 0
+
+    def add(self, wrapped: torch.Tensor) -> None:
+        """Count one step's agreed wrap flags (bool per tensor)."""
+        self.wrapped += wrapped.long()
+
+    def total(self) -> int:
+        """Wrapped parts so far."""
+        return int(self.wrapped.sum())
+
+    def describe(self, step: int, wrapped: torch.Tensor) -> str:
+        """One line naming the step and (up to four of) the tensors that wrapped."""
+        names = [name for name, w in zip(self.names, wrapped.tolist()) if w]
+        return (f"Moniqua step {step}: the modulo recovery wrapped on {len(names)} tensor part(s) "
+                f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): |x_i - x_j|_inf exceeded theta")
+
+    def group_counts(self) -> dict[str, int]:
+        """Wrapped parts so far per tensor group."""
+        out = dict.fromkeys(self.groups, 0)
+        for group, n in zip(self.group_of, self.wrapped.tolist()):
+            out[group] += n
+        return out
+
+    def metrics(self, theta: torch.Tensor) -> dict[str, Any]:
+        """For ``metrics.jsonl``: the largest theta and the wrapped parts per group, their total and the resyncs."""
+        largest = dict.fromkeys(self.groups, 0.0)
+        for group, t in zip(self.group_of, theta.tolist()):
+            largest[group] = max(largest[group], t)
+        return {"moniqua_theta_max": largest, "moniqua_wrapped": self.group_counts(),
+                "moniqua_wrapped_parts": self.total(), "moniqua_resyncs": self.resyncs}
+
+    def summarise(self, rank: int, guard: str) -> None:
+        """Rank 0 logs one warning summing up the wrapped parts, if there were any."""
+        if self.total() and rank == 0:
+            action = {"skip": "left unmixed that step", "resync": "mixed at full precision"}[guard]
+            log.warning("Moniqua guard: %d tensor parts wrapped over %d mixing steps and were %s (by group: %s); "
+                        "each wrap doubled that tensor's theta", self.total(), self.steps, action,
+                        ", ".join(f"{g} {n}" for g, n in self.group_counts().items() if n))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters."""
+        return {"wrapped": self.wrapped.clone(), "resyncs": self.resyncs, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if state["wrapped"].numel() != len(self.names):
+            raise ValueError(f"Moniqua state counts wraps of {state['wrapped'].numel()} tensors, "
+                             f"the model has {len(self.names)}")
+        self.wrapped, self.resyncs, self.steps = state["wrapped"].clone(), int(state["resyncs"]), int(state["steps"])
