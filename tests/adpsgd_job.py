@@ -1,11 +1,13 @@
-"""The asynchronous job behind tests/test_adpsgd.py: AD-PSGD variants against a wall clock, one rank slowed.
+"""The asynchronous job behind tests/test_adpsgd.py: AD-PSGD variants with one rank slowed.
 
 usage: mpiexec -n 4 python -m mpi4py tests/adpsgd_job.py OUT.json [SECONDS] [SLEEP]
 
-For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem`` until
-``SECONDS`` of wall time have passed (the last rank sleeps ``SLEEP`` seconds after every step), then all
-ranks meet and measure: steps per rank, F(x̄) - F* relative to F(x_0) - F*, the consensus distance and
-the bytes read. Then each rank checks its own state round trip (state_dict -> fresh algorithm ->
+For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem``. The last
+rank sleeps ``SLEEP`` seconds after every step and takes SECONDS / SLEEP steps (about SECONDS of wall
+time, more on a loaded machine); the other ranks step until it is done (a non-blocking barrier it joins
+last), however many steps that lets them take. So the slow rank's work is fixed and the fast ranks' count
+shows whether they waited for it, whatever the load. Then all ranks meet and measure: steps per rank,
+F(x̄) - F* relative to F(x_0) - F*, the consensus distance and the bytes read. Then each rank checks its own state round trip (state_dict -> fresh algorithm ->
 load_state_dict: same parameters, same state, same next peers). Rank 0 writes everything to OUT.json.
 """
 
@@ -49,12 +51,17 @@ def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
     ring = topology.ring(n)
     algo = make_algorithm(name, lsq.make_model(), Communicator(comm, ring), lr=0.1, **options)
     comm.Barrier()
-    start, steps = time.monotonic(), 0
-    while time.monotonic() - start < seconds:
-        lsq.train(algo, 1)
-        steps += 1
-        if rank == n - 1:
+    steps = 0
+    if rank == n - 1:
+        for steps in range(1, max(1, round(seconds / sleep)) + 1):
+            lsq.train(algo, 1)
             time.sleep(sleep)
+        comm.Ibarrier().Wait()
+    else:
+        slow_done = comm.Ibarrier()  # completes once the slow rank has taken all its steps
+        while not slow_done.Test():
+            lsq.train(algo, 1)
+            steps += 1
     stats = algo.stats()
     comm.Barrier()
     f0, fstar = lsq.objective(torch.zeros(lsq.D), n), lsq.objective(lsq.optimum(n), n)

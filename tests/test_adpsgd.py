@@ -3,7 +3,8 @@
 The serial test launches ``tests/adpsgd_job.py`` under ``mpiexec -n 4 python -m mpi4py`` (which aborts the
 whole job if a rank fails) with ``MPIR_CVAR_ASYNC_PROGRESS=1``, as any run of these algorithms should; the
 job's own transport is shared memory (all ranks on one node), which needs no MPI progress at all. The last
-rank sleeps 20 ms after each step; every configuration trains for 1 s of wall time (the guard row 0.3 s).
+rank sleeps 20 ms after each of its 50 steps (the guard row: 15), about 1 s; the other ranks step until
+it is done, so what is measured does not depend on how loaded the machine is.
 """
 
 import json
@@ -48,7 +49,7 @@ def results(job, name, bits=None):
 
 @pytest.mark.parametrize("name,bits", [("adpsgd", None), ("moniqua_adpsgd", 8), ("moniqua_adpsgd", 1)])
 def test_fast_ranks_are_not_held_back_by_the_slow_one(job, name, bits):
-    """(a) In the same 1 s, each fast rank completes at least 3x the steps of the rank that sleeps 20 ms per step."""
+    """(a) While the slow rank takes its steps (20 ms asleep after each), each fast rank takes at least 3x as many."""
     steps = results(job, name, bits)["steps"]
     assert min(steps[:-1]) >= 3 * steps[-1], steps
 
@@ -60,7 +61,7 @@ def test_fast_ranks_are_not_held_back_by_the_slow_one(job, name, bits):
     ("moniqua_adpsgd", 1, 0.25, 2.0),  # gap 1.0e-2 .. 3.8e-2, spread 0.60 .. 0.65: the 1-bit grid is coarse
 ])
 def test_models_converge_despite_the_slow_rank(job, name, bits, max_gap, max_spread):
-    """(b) (F(x̄) - F*) / (F(x_0) - F*) (1 at the start) and sqrt(mean_i |x_i - x̄|^2) after 1 s, lr 0.1."""
+    """(b) (F(x̄) - F*) / (F(x_0) - F*) (1 at the start) and sqrt(mean_i |x_i - x̄|^2) at the end, lr 0.1."""
     row = results(job, name, bits)
     assert row["gap"] < max_gap, row
     assert row["consensus_distance"] < max_spread, row
