@@ -23,12 +23,12 @@ PRESETS: dict[str, dict[str, str]] = {
     "resnet20_moniqua": {
         **_GPU, "job-name": "r20-moniqua", "time": "12:00:00", "APP": "apps/train_resnet.py",
         "ALGORITHM": "moniqua", "EPOCHS": "200", "SAVE_EVERY": "1000",
-        "EXTRA_ARGS": f"--model resnet20 --bits 1 --lr 0.1 {_CIFAR}",
+        "EXTRA_ARGS": f"--model resnet20 --lr 0.1 {_CIFAR}",
     },
     "resnet110_moniqua": {
         **_GPU, "job-name": "r110-moniqua", "time": "2-00:00:00", "APP": "apps/train_resnet.py",
         "ALGORITHM": "moniqua", "EPOCHS": "200", "SAVE_EVERY": "1000",
-        "EXTRA_ARGS": f"--model resnet110 --bits 1 --lr 0.1 {_CIFAR}",
+        "EXTRA_ARGS": f"--model resnet110 --lr 0.1 {_CIFAR}",
     },
     "resnet20_cpu": {
         **_CPU, "job-name": "r20-cpu", "time": "2-00:00:00", "APP": "apps/train_resnet.py",
