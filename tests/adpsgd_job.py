@@ -2,13 +2,14 @@
 
 usage: mpiexec -n 4 python -m mpi4py tests/adpsgd_job.py OUT.json [SECONDS] [SLEEP]
 
-For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem``. The last
-rank sleeps ``SLEEP`` seconds after every step and takes SECONDS / SLEEP steps (about SECONDS of wall
-time, more on a loaded machine); the other ranks step until it is done (a non-blocking barrier it joins
-last), however many steps that lets them take. So the slow rank's work is fixed and the fast ranks' count
-shows whether they waited for it, whatever the load. Then all ranks meet and measure: steps per rank,
-F(x̄) - F* relative to F(x_0) - F*, the consensus distance and the bytes read. Then each rank checks its own state round trip (state_dict -> fresh algorithm ->
-load_state_dict: same parameters, same state, same next peers). Rank 0 writes everything to OUT.json.
+For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem``. The
+last rank sleeps ``SLEEP`` seconds after every step and takes SECONDS / SLEEP steps (about SECONDS of
+wall time, more on a loaded machine); the other ranks step until it is done (a non-blocking barrier it
+joins last), however many steps that lets them take. So the slow rank's work is fixed and the fast
+ranks' count shows whether they waited for it, whatever the load. Then all ranks meet and measure:
+steps per rank, F(x̄) - F* relative to F(x_0) - F*, the consensus distance and the bytes read. Then each
+rank checks its own state round trip (state_dict -> fresh algorithm -> load_state_dict: same parameters,
+same state, same next peers). Rank 0 writes everything to OUT.json.
 """
 
 import json
@@ -53,8 +54,9 @@ def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
     comm.Barrier()
     steps = 0
     if rank == n - 1:
-        for steps in range(1, max(1, round(seconds / sleep)) + 1):
+        while steps < max(1, round(seconds / sleep)):
             lsq.train(algo, 1)
+            steps += 1
             time.sleep(sleep)
         comm.Ibarrier().Wait()
     else:

@@ -25,7 +25,7 @@ pytestmark = [
 STEPS = 12
 
 
-def _job_text(out_dir: str, save_every: int) -> str:
+def _job_text(out_dir: str, save_every: int, extra: str = "") -> str:
     with open(os.path.join(repo_slurm_dir(), "generic.sbatch")) as f:
         generic = f.read()
     return render(generic, {
@@ -33,15 +33,15 @@ def _job_text(out_dir: str, save_every: int) -> str:
         "output": f"{out_dir}/job-%j.out", "error": f"{out_dir}/job-%j.out",
         "APP": "apps/train_resnet.py", "ALGORITHM": "moniqua", "EPOCHS": "1", "OUT_DIR": out_dir,
         "SAVE_EVERY": str(save_every),
-        "EXTRA_ARGS": f"--max-steps {STEPS} --batch-size 8 --eval-limit 64 --log-every 1 --bits 2",
+        "EXTRA_ARGS": f"--max-steps {STEPS} --batch-size 8 --eval-limit 64 --log-every 1 --bits 2 {extra}".strip(),
     })
 
 
-def _submit(tmp_path, name: str, save_every: int, wait: bool) -> tuple[int, str]:
+def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "") -> tuple[int, str]:
     out_dir = str(tmp_path / name)
     os.makedirs(out_dir)
     job = tmp_path / f"{name}.sbatch"
-    job.write_text(_job_text(out_dir, save_every))
+    job.write_text(_job_text(out_dir, save_every, extra))
     proc = subprocess.Popen(["sbatch", "--parsable", *(["--wait"] if wait else []), str(job)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -92,7 +92,9 @@ def test_template_job_completes_with_metrics_and_checkpoint(tmp_path):
 @pytest.mark.timeout(600)
 def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
     reference_id, reference_dir = _submit(tmp_path, "reference", save_every=6, wait=True)
-    job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False)
+    # A modelled 500 ms latency makes every step last about a second (the maths is unchanged: --net only
+    # sleeps), so the signal reliably arrives mid-run however fast this machine is.
+    job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False, extra="--net 1gbit,500ms")
     metrics = os.path.join(out_dir, "metrics.jsonl")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # wait until training is under way (handlers installed)
