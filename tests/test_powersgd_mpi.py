@@ -218,7 +218,7 @@ def test_rank_one_with_error_feedback_converges_on_matrix_least_squares(comm):
         A, Y = _targets(me)
         model = torch.nn.Linear(lsq.D, K, bias=False)
         torch.nn.init.zeros_(model.weight)
-        algo = make_algorithm("powersgd", model, _comm(comm), lr=0.3, momentum=0.5, rank=1)
+        algo = make_algorithm("powersgd", model, _comm(comm), lr=0.1, momentum=0.5, rank=1)
         assert len(algo.layout.matrices) == 1
         for _ in range(400):
             algo.zero_grad()
