@@ -1,8 +1,8 @@
 """PowerSGD against torch's DDP ``powerSGD_hook`` (gloo on loopback), an all-ranks pure-torch reference,
 full rank == AllReduce-SGD, exact bytes, convergence on a matrix least-squares problem, state, config."""
 
+import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -27,16 +27,19 @@ def _comm(comm):
 
 # ------------------------------------------------------------------ the held-out reference: torch's DDP hook
 def _init_gloo(comm):
-    """A gloo process group over the MPI ranks, on a loopback port chosen by rank 0."""
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
+    """A gloo process group over the MPI ranks, through a TCPStore that rank 0 opens on a free loopback port.
+
+    Rank 0 keeps the port it was given (no window for another process to take it), and every wait is
+    bounded: a failure raises within a minute instead of blocking for torch's default 30 minutes.
+    """
+    timeout = datetime.timedelta(seconds=60)
+    store = (dist.TCPStore("127.0.0.1", 0, comm.Get_size(), True, timeout=timeout, wait_for_workers=False)
+             if comm.Get_rank() == 0 else None)
+    port = comm.bcast(store.port if store is not None else None, root=0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, comm.Get_size(), False, timeout=timeout)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
+    dist.init_process_group("gloo", store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
 
 
 @pytest.mark.parametrize("rank, rate, error_feedback", [(1, 2.0, True), (2, 1.0, True), (1, 0.5, False)])
