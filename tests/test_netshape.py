@@ -131,9 +131,12 @@ def test_failing_command_exit_status_passes_through(no_leftovers):
 def test_interrupted_run_cleans_up(no_leftovers, tmp_path, sig):
     pids = tmp_path / "pids"
     pids.touch()
+    # bash cannot trap a signal it inherited as ignored (as under `cmd &` without job control): start the
+    # script with SIGINT at its default, as a terminal or scheduler would, whatever this process inherited
     proc = subprocess.Popen([str(SCRIPT), "mpirun", "--ranks", "2", "--net", "100mbit,0us", "--", "sh", "-c",
                              f'echo $$ >> {pids}; exec sleep 60'],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while len(pids.read_text().split()) < 2:  # both ranks are sleeping in their namespaces
