@@ -10,9 +10,10 @@ RESNET = ["--model", "resnet20", "--batch-size", "8", "--eval-limit", "32", "--m
           "--no-progress"]
 
 
-def launch(ranks: int, app: str, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run ``apps/<app>`` on ``ranks`` ranks; its output (the timeout only catches a hang)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def launch(ranks: int, app: str, args: list[str], timeout: int = 240,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``apps/<app>`` on ``ranks`` ranks with ``env`` added; its output (the timeout only catches a hang)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 

@@ -118,6 +118,17 @@ def test_a_resumed_run_continues_its_counters_and_says_what_it_does(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_signal_inside_a_requeueing_job_leaves_the_marker_its_script_requeues_on(tmp_path):
+    """The app never calls scontrol itself (Slurm would kill the step mid-exit): it exits 0 and leaves a marker."""
+    run = tmp_path / "run"
+    proc = launch(2, "train_resnet.py", _args(4, run, "--stop-at-step", "2"),
+                  env={"SLURM_JOB_ID": "4242", "MPICOMM_REQUEUE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "requeue").read_text() == "job 4242 stopped at step 2\n"
+    assert "job 4242 will be requeued by its script once every rank has exited" in proc.stdout
+    assert (run / "step-000000002" / "checkpoint.h5").exists()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 7 MiB tmpfs."""

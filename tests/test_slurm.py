@@ -122,6 +122,7 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
     stopped = [r for r in records if r.get("event") == "stopped"]
     assert stopped and 3 <= stopped[0]["step"] < STEPS, _diagnose(out_dir)
     assert int(_job_field(job_id, "Restarts") or 0) >= 1
+    assert not os.path.exists(os.path.join(out_dir, "requeue")), "the job script left its requeue marker"
     assert [r["resumed_from"] for r in records if r.get("event") == "start"][-1], "second run did not resume"
     for mine, reference in zip(_final_params(out_dir), _final_params(reference_dir)):
         assert (mine == reference).all(), "resumed run differs from the uninterrupted one"

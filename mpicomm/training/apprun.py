@@ -12,14 +12,16 @@ Exit status (the same on every rank):
 
 Cases 2 and 3 are agreed by every rank, so rank 0 alone prints the one-line reason and no rank aborts.
 A run stopped by SIGUSR1/SIGTERM commits a checkpoint first; then, inside a SLURM job that asked for
-requeueing (``MPICOMM_REQUEUE=1``, set by the templates), rank 0 asks ``scontrol requeue`` for this job
-and every rank exits 0, and the requeued job resumes from ``--resume latest``.
+requeueing (``MPICOMM_REQUEUE=1``, set by the templates), rank 0 writes the marker file
+``<out-dir>/requeue`` and every rank exits 0. The job script, once the launcher has returned, sees the
+marker and runs ``scontrol requeue``; the requeued job resumes from ``--resume latest``. The requeue is
+asked only after every rank has exited: asked while the MPI step still ran, Slurm killed the step
+during the ranks' clean exit, and under load the job then ended FAILED instead of going back to the queue.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 from ..comm import abort_on_exception
@@ -28,19 +30,24 @@ from .arguments import parse_app_args, setup_run
 from .console import Console
 from .loop import run_training
 
-__all__ = ["EXIT_REFUSED", "EXIT_STOPPED", "run_app"]
+__all__ = ["EXIT_REFUSED", "EXIT_STOPPED", "REQUEUE_MARKER", "run_app"]
 
 EXIT_REFUSED = 2
 EXIT_STOPPED = 3
 
 
-def _requeue(console: Console) -> bool:
+REQUEUE_MARKER = "requeue"
+
+
+def _mark_for_requeue(console: Console, out_dir: str, step: int) -> bool:
+    """Inside a requeueing SLURM job, leave ``<out_dir>/requeue`` for the job script; False elsewhere."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not job or os.environ.get("MPICOMM_REQUEUE") != "1":
+    if not job or os.environ.get("MPICOMM_REQUEUE") != "1" or not out_dir:
         return False
     if console.rank == 0:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-        console.info(f"requeue of job {job}: {'ok' if done.returncode == 0 else done.stderr.strip()}")
+        with open(os.path.join(out_dir, REQUEUE_MARKER), "w") as marker:
+            marker.write(f"job {job} stopped at step {step}\n")
+        console.info(f"job {job} will be requeued by its script once every rank has exited")
     return True
 
 
@@ -93,5 +100,6 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
                      f"  |  bytes sent by rank 0: {summary['bytes_sent'] / 1e6:.2f} MB"
                      f"  |  wall {summary['wall_s']:.1f} s")
     if summary["stopped_by_signal"]:
-        return 0 if _requeue(console) else 128 + summary["stopped_by_signal"]
+        requeued = _mark_for_requeue(console, cfg.out_dir, summary["step"])
+        return 0 if requeued else 128 + summary["stopped_by_signal"]
     return 0
