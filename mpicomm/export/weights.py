@@ -44,7 +44,6 @@ class Weights:
     directory: Path
     meta: dict
     ranks: list[int]
-    buffers: str
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -140,4 +139,4 @@ def read_weights(path, *, rank: int | None = None, buffers: str = "average") -> 
         notes.append("floating-point buffers (BatchNorm statistics) averaged over the ranks too" if buffers_from is None
                      else f"buffers (BatchNorm statistics) from rank {buffers_from}")
     state = _keyed(_named(flat, signature, directory), kept, meta.get("model"), notes)
-    return Weights(state, directory, meta, ranks, buffers, notes)
+    return Weights(state, directory, meta, ranks, notes)
