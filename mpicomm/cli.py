@@ -1,7 +1,8 @@
-"""The ``mpicomm`` command: ``demo``, ``plot`` and ``slurm`` (training itself runs through ``apps/``).
+"""The ``mpicomm`` command: ``demo``, ``plot``, ``export`` and ``slurm`` (training itself runs through ``apps/``).
 
 Launch under MPI as ``mpiexec -n 4 mpicomm demo``. The entry point aborts the whole job when any
-rank raises, so a failure never leaves other ranks blocked in a collective.
+rank raises, so a failure never leaves other ranks blocked in a collective. ``plot``, ``export`` and
+``slurm`` run without MPI.
 """
 
 from __future__ import annotations
@@ -26,6 +27,18 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", default="curves.png")
     plot.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy, val_mlm_loss")
     plot.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
+    export = sub.add_parser("export", help="a run's model as a torch state_dict file or a Hugging Face folder (no MPI)")
+    export.add_argument("checkpoint", help="a run directory (its latest checkpoint), RUN_DIR/step-N or a checkpoint.h5")
+    export.add_argument("-o", "--output", required=True,
+                        help="the file to write (--format torch) or the folder (--format hf: new or empty)")
+    export.add_argument("--format", default="torch", choices=["torch", "hf"],
+                        help="torch: torch.save(state_dict); hf: save_pretrained folder (a transformers model: BERT)")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--average", action="store_true", help="the average of all ranks' models (the default)")
+    which.add_argument("--rank", type=int, default=None, help="this rank's own model instead of the average")
+    export.add_argument("--buffers", default="average",
+                        help="with the average: 'average' (floating-point buffers such as BatchNorm statistics "
+                             "averaged over the ranks) or a rank whose buffers to take (0: as the run evaluated)")
     slurm = sub.add_parser("slurm", help="render, submit or regenerate sbatch templates (see slurm/)")
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
     for name, text in (("render", "print the rendered template (or write it with -o)"),
@@ -55,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(args)
         except ValueError as exc:
             raise SystemExit(f"mpicomm slurm {args.slurm_command}: error: {exc}") from exc
+    if args.command == "export":
+        from .export.command import main as export_main
+
+        return export_main(args)
     if args.command == "plot":
         from .training.plot import plot_runs
 

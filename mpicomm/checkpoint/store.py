@@ -43,9 +43,11 @@ import torch
 
 from .. import __version__
 from ..errors import mark_agreed
-from .tree import LIBVER, CheckpointError, read_tree, write_tree
+from .model_record import model_record
+from .tree import LIBVER, CheckpointError, link_name, read_tree, write_tree
 
-__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "run_meta", "save_checkpoint"]
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "read_index", "read_rank_entry", "run_meta",
+           "save_checkpoint"]
 
 INDEX = "checkpoint.h5"
 LATEST = "latest"
@@ -120,7 +122,12 @@ def _versions() -> dict:
 
 
 def run_meta(comm, algorithm=None) -> dict:
-    """Standard meta/expect entries: the Communicator's topology (name, W) and the algorithm's name, config, model."""
+    """Standard meta/expect entries: the Communicator's topology (name, W) and the algorithm's name, config, model.
+
+    With an algorithm, ``model_signature`` (its flat parameters' names and shapes, compared on resume)
+    and ``model`` (:func:`~.model_record.model_record`: the ``state_dict`` keys and, for a transformers
+    model, its class and config; what ``mpicomm export`` rebuilds the model's files from).
+    """
     out = {}
     schedule = getattr(comm, "schedule", None)
     if schedule is not None:
@@ -129,6 +136,7 @@ def run_meta(comm, algorithm=None) -> dict:
     if algorithm is not None:
         out["algorithm"] = {"name": algorithm.name, "config": dataclasses.asdict(algorithm.config)}
         out["model_signature"] = repr(algorithm.flat.signature())
+        out["model"] = model_record(algorithm.model)
     return out
 
 
@@ -368,10 +376,12 @@ def _open(path: Path, read):
         raise CheckpointError(f"{path} is unreadable or corrupted: {exc}") from exc
 
 
-def _read_index(f: h5py.File, size: int) -> tuple[dict, str]:
+def _read_index(f: h5py.File, size: int | None) -> tuple[dict, str]:
+    """(meta, save id) of an open ``checkpoint.h5``; ``size`` (None: any) is the world size it must have."""
     if f.attrs.get("format") != FORMAT:
         raise CheckpointError(f"not an mpicomm checkpoint index (format {f.attrs.get('format')!r})")
     meta = read_tree(f["meta"])
+    size = meta["world_size"] if size is None else size
     if meta["world_size"] != size:
         raise ValueError(f"checkpoint has world size {meta['world_size']}, this job has {size}")
     if len(f["ranks"]) != size:
@@ -409,16 +419,42 @@ def _mismatch(label: str, have, want) -> str | None:
     return None if same else f"checkpoint has {label} {_show(have)}, this job has {_show(want)}"
 
 
-def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str) -> dict:
+def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: tuple = ()):
+    """Rank ``rank``'s state from its file (identity checked), or only the entry at ``keys`` (dict keys)."""
     def read(f):
         found = tuple(str(f.attrs.get(f"mpicomm_{key}")) for key in _IDENTITY)
         want = tuple(str(v) for v in (rank, size, step, save_id))
         if found != want:
             raise CheckpointError(f"belongs to another save: its (rank, world size, step, save id) is {found}, "
                                   f"expected {want}")
-        return read_tree(f[_rank_group(rank)])
+        node = f[_rank_group(rank)]
+        for depth, key in enumerate(keys):
+            if link_name(key) not in node:
+                raise CheckpointError(f"rank {rank}'s state has no entry {list(keys[:depth + 1])}")
+            node = node[link_name(key)]
+        return read_tree(node)
 
     return _open(path, read)
+
+
+def read_index(path_or_root) -> tuple[Path, dict, str]:
+    """Serial (no MPI): (checkpoint directory, meta, save id) of a checkpoint dir, its checkpoint.h5, or a root.
+
+    A missing, incomplete or corrupted index raises :class:`CheckpointError` naming the file.
+    """
+    directory = _resolve(Path(path_or_root))
+    meta, save_id = _open(directory / INDEX, lambda f: _read_index(f, None))
+    return directory, meta, save_id
+
+
+def read_rank_entry(directory, rank: int, meta: dict, save_id: str, keys: tuple = ()):
+    """Serial (no MPI): rank ``rank``'s state, or its entry at ``keys`` (``("algorithm", "params")``).
+
+    ``directory``, ``meta`` and ``save_id`` come from :func:`read_index`; the rank file must belong to
+    that save (its identity is checked) and be intact, else :class:`CheckpointError` names it.
+    """
+    path = Path(directory) / _rank_name(rank)
+    return _read_rank(path, rank, meta["world_size"], meta["step"], save_id, tuple(keys))
 
 
 def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[dict, dict]:

@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 import torch
 
-__all__ = ["LIBVER", "CheckpointError", "read_tree", "write_tree"]
+__all__ = ["LIBVER", "CheckpointError", "link_name", "read_tree", "write_tree"]
 
 LIBVER = ("v108", "latest")
 _NUMERIC = "biufc"
@@ -52,7 +52,7 @@ def _where(path: str) -> str:
     return path or "the top level"
 
 
-def _link_name(key) -> str:
+def link_name(key) -> str:
     """HDF5 link name of a dict key: ``%``, ``/``, NUL and a leading ``.`` escaped; ``""`` becomes ``%``."""
     name = str(key).replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
     if name.startswith("."):
@@ -81,7 +81,7 @@ def _write_dict(group: h5py.Group, tree: dict, path: str) -> None:
     for key in tree:
         if type(key) not in (str, int):
             raise TypeError(f"key {key!r} at {_where(path)}: dict keys must be str or int, got {type(key).__name__}")
-        name = _link_name(key)
+        name = link_name(key)
         if name in names:
             raise TypeError(f"keys {names[name]!r} and {key!r} at {_where(path)} map to the same HDF5 name {name!r}")
         names[name] = key
@@ -208,7 +208,7 @@ def _read(obj, path: str):
     if isinstance(obj, h5py.Group):
         if kind == "dict":
             keys = json.loads(obj.attrs["keys"])
-            return {key: _read(_child(obj, _link_name(key), path), f"{path}[{key!r}]") for key in keys}
+            return {key: _read(_child(obj, link_name(key), path), f"{path}[{key!r}]") for key in keys}
         items = [_read(_child(obj, str(i), path), f"{path}[{i}]") for i in range(int(obj.attrs["length"]))]
         return tuple(items) if kind == "tuple" else items
     try:

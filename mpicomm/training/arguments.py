@@ -23,6 +23,7 @@ from .device import place, place_task
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
 from .precision import PRECISIONS
+from .tensorboard import require_tensorboard
 
 __all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setup_run", "train_config"]
 
@@ -44,6 +45,8 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
     p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: each epoch)")
     p.add_argument("--out-dir", default="", help="metrics.jsonl and checkpoints go here")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="also write the metrics as TensorBoard scalars into DIR (needs the tensorboard extra)")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     p.add_argument("--resume", default="", help="'latest' (in --out-dir) or a checkpoint path")
@@ -82,7 +85,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.lr_warmup_steps, milestones=args.milestones, lr_gamma=args.lr_gamma,
         log_every=args.log_every, eval_every=args.eval_every, out_dir=args.out_dir, save_every=args.save_every,
         keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
-        stop_at_step=args.stop_at_step, precision=args.precision,
+        stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
     )
 
 
@@ -104,6 +107,8 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
     seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
         cfg = train_config(args)
+        if cfg.tensorboard:
+            require_tensorboard()  # on every rank, so that a missing package is one agreed refusal
         topo = topology.build(args.topology, mpi_comm.Get_size())
         net = parse_net(args.net)
         task = build()

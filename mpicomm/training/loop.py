@@ -44,6 +44,7 @@ from .reporting import Progress, account, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
 from .schedule import LRSchedule
 from .stop import StopFlag
+from .tensorboard import ScalarMirror
 
 __all__ = ["Task", "TrainConfig", "run_training"]
 
@@ -85,6 +86,7 @@ class TrainConfig:
     handle_signals: bool = True
     stop_at_step: int = 0
     precision: str = "fp32"
+    tensorboard: str = ""
 
     def __post_init__(self):
         for name in ("epochs", "log_every"):
@@ -156,7 +158,10 @@ class _Run:
         """Collective: resume if asked, open the metrics file, install the signal handlers, start the clock."""
         resumed = self._resume()
         path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
-        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=resumed is not None)
+        mirror = None
+        if self.cfg.tensorboard and self.rank == 0:  # past resumed logs are purged as continued() drops them
+            mirror = ScalarMirror(self.cfg.tensorboard, purge_step=resumed.step + 1 if resumed else None)
+        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=resumed is not None, mirror=mirror)
         self._write_start(resumed, run_info)
         self.stop = StopFlag(install=self.cfg.handle_signals)
         self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)

@@ -10,11 +10,15 @@ __all__ = ["MetricsWriter", "continued", "read_metrics"]
 
 
 class MetricsWriter:
-    """Append JSON lines to ``path`` (flushed per line) when ``enabled``; a no-op on other ranks."""
+    """Append JSON lines to ``path`` (flushed per line) when ``enabled``; a no-op on other ranks.
 
-    def __init__(self, path: str | None, enabled: bool, append: bool = False):
+    ``mirror`` (e.g. :class:`.tensorboard.ScalarMirror`) also receives every record written, as written.
+    """
+
+    def __init__(self, path: str | None, enabled: bool, append: bool = False, mirror=None):
         self.path = path if enabled else None
         self._file = None
+        self.mirror = mirror if enabled else None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "a" if append else "w")
@@ -24,12 +28,17 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(_finite(record), sort_keys=True, allow_nan=False) + "\n")
             self._file.flush()
+        if self.mirror is not None:
+            self.mirror.write(_finite(record))
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file (and the mirror)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
 
 
 def _finite(value):

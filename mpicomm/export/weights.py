@@ -1,0 +1,142 @@
+"""A trained model's ``state_dict`` from mpicomm's per-rank checkpoint files: one rank's, or the average of all.
+
+Every rank's file holds the flat parameter vector (``ranks/R/algorithm/params``, named and shaped by the
+meta's ``model_signature``) and the model's buffers by name (``ranks/R/buffers``: BatchNorm's running
+mean, variance and batch count, and non-persistent buffers). Serial: h5py only, no MPI.
+
+* ``rank=R``: rank R's parameters and buffers, exactly as saved.
+* the average (``rank=None``): the mean of every rank's parameters (accumulated in float64, one rank
+  file in memory at a time, then cast back), and by default the mean of every rank's floating-point
+  buffers too (``buffers="average"``), since each rank's BatchNorm statistics saw only its own shard
+  (with a non-IID split, only its own classes). Integer buffers (``num_batches_tracked``, equal on
+  every rank of a synchronous run) are rank 0's. ``buffers=R`` takes every buffer from rank R instead:
+  the training loop evaluates the averaged parameters with rank 0's buffers, so ``buffers=0``
+  reproduces the ``test_*`` numbers of ``metrics.jsonl`` exactly.
+
+The keys are those of the model's own ``state_dict()``, recorded in the meta (``meta["model"]``, see
+:mod:`mpicomm.checkpoint.model_record`): tied weights appear under each of their names (one tensor),
+non-persistent buffers are left out, and ``model.load_state_dict(...)`` loads it strictly.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.store import read_index, read_rank_entry
+from ..checkpoint.tree import CheckpointError
+
+__all__ = ["ExportError", "Weights", "read_weights"]
+
+
+class ExportError(ValueError):
+    """The export cannot be made from this input (the message names the argument and what was expected)."""
+
+
+@dataclass
+class Weights:
+    """A model's ``state_dict`` taken from a checkpoint, and where and how it was taken."""
+
+    state_dict: dict[str, torch.Tensor]
+    directory: Path
+    meta: dict
+    ranks: list[int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def what(self) -> str:
+        """In words: whose model this is (``"the average of 4 ranks' models"``, ``"rank 1's model"``)."""
+        if len(self.ranks) == 1 and self.meta["world_size"] > 1:
+            return f"rank {self.ranks[0]}'s model"
+        return f"the average of {len(self.ranks)} ranks' models" if len(self.ranks) > 1 else "the model"
+
+
+def _signature(meta: dict, directory: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) of every flat parameter, from the meta's ``model_signature``."""
+    text = meta.get("model_signature")
+    if not isinstance(text, str):
+        raise ExportError(f"{directory} records no model_signature: it was not written by mpicomm's training loop "
+                          "(run_meta(comm, algo) in the checkpoint's meta)")
+    return [(name, tuple(shape)) for name, shape in ast.literal_eval(text)[1]]
+
+
+def _combine(directory: Path, meta: dict, save_id: str, ranks: list[int], buffers_from: int | None):
+    """The flat parameters averaged over ``ranks`` (one rank: its own) and the buffers of ``buffers_from``.
+
+    ``buffers_from=None``: floating-point buffers averaged over ``ranks``, the others the first rank's.
+    One rank's tensors are in memory at a time, beside the float64 sums.
+    """
+    total, buffers, sums, dtype = None, {}, {}, None
+    for rank in ranks:
+        params = read_rank_entry(directory, rank, meta, save_id, ("algorithm", "params"))
+        dtype = params.dtype
+        total = params.double() if total is None else total.add_(params.double())
+        if buffers_from is None or rank == buffers_from:
+            own = read_rank_entry(directory, rank, meta, save_id, ("buffers",))
+            buffers = own if rank == buffers_from or rank == ranks[0] else buffers
+            for name, value in own.items():
+                if buffers_from is None and value.is_floating_point():
+                    sums[name] = sums[name].add_(value.double()) if name in sums else value.double()
+    if buffers_from is None:
+        buffers = {name: sums[name].div_(len(ranks)).to(value.dtype) if name in sums else value
+                   for name, value in buffers.items()}
+    return total.div_(len(ranks)).to(dtype), buffers
+
+
+def _named(flat: torch.Tensor, signature, directory: Path) -> dict[str, torch.Tensor]:
+    """The flat vector cut into the named parameters (each its own tensor, so a saved file holds no views)."""
+    numel = sum(torch.Size(shape).numel() for _, shape in signature)
+    if flat.numel() != numel:
+        raise CheckpointError(f"{directory}: the saved parameters hold {flat.numel()} values, its model_signature "
+                              f"{numel}")
+    out, offset = {}, 0
+    for name, shape in signature:
+        size = torch.Size(shape).numel()
+        out[name] = flat[offset:offset + size].view(shape).clone()
+        offset += size
+    return out
+
+
+def _keyed(params: dict, buffers: dict, record: dict | None, notes: list[str]) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` from its parameters and buffers, keyed as the meta's record says."""
+    if record is None:  # a checkpoint written before the record existed
+        notes.append("this checkpoint does not record the model's state_dict keys (written by an older mpicomm): "
+                     "the file holds every parameter once and every buffer, non-persistent ones included; "
+                     "load it with load_state_dict(..., strict=False) if your model ties weights")
+        return {**params, **buffers}
+    values = {**buffers, **params}
+    missing = [key for key, source in zip(record["state_keys"], record["state_sources"]) if source not in values]
+    if missing:
+        raise ExportError(f"the checkpoint holds no value for the state_dict entries {', '.join(missing[:5])}"
+                          f"{' …' if len(missing) > 5 else ''}: frozen parameters and extra state are not checkpointed")
+    return {key: values[source] for key, source in zip(record["state_keys"], record["state_sources"])}
+
+
+def read_weights(path, *, rank: int | None = None, buffers: str = "average") -> Weights:
+    """The ``state_dict`` of rank ``rank``'s model, or of all ranks' average (``rank=None``), from a checkpoint.
+
+    ``path`` is a run directory (its ``latest`` checkpoint), a ``step-N`` directory or a ``checkpoint.h5``.
+    ``buffers`` (average only): ``"average"`` or a rank whose buffers to take (see the module docstring).
+    Bad input raises :class:`ExportError` or :class:`~mpicomm.checkpoint.CheckpointError` (both ``ValueError``).
+    """
+    directory, meta, save_id = read_index(path)
+    size = meta["world_size"]
+    signature = _signature(meta, directory)
+    if rank is not None and not 0 <= rank < size:
+        raise ExportError(f"--rank must be in [0, {size - 1}]: {directory} holds {size} ranks, got {rank}")
+    if rank is not None and buffers != "average":
+        raise ExportError(f"--buffers applies to --average only (--rank {rank} exports that rank's own buffers)")
+    if buffers != "average" and not (buffers.isdigit() and int(buffers) < size):
+        raise ExportError(f"--buffers must be 'average' or a rank in [0, {size - 1}], got {buffers!r}")
+    ranks = list(range(size)) if rank is None else [rank]
+    buffers_from = rank if rank is not None else (None if buffers == "average" else int(buffers))
+    flat, kept = _combine(directory, meta, save_id, ranks, buffers_from)
+    notes: list[str] = []
+    if rank is None and any(value.is_floating_point() for value in kept.values()):
+        notes.append("floating-point buffers (BatchNorm statistics) averaged over the ranks too" if buffers_from is None
+                     else f"buffers (BatchNorm statistics) from rank {buffers_from}")
+    state = _keyed(_named(flat, signature, directory), kept, meta.get("model"), notes)
+    return Weights(state, directory, meta, ranks, notes)
