@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install mpicomm with its MPI and test extras.
 # torch is pinned to the CPU build first so nothing pulls a multi-GB CUDA wheel.
-# Override: PYTHON=python3.11 TORCH_SPEC='torch==2.13.0' MPICOMM_EXTRAS='mpi,apps,test'
+# Override: PYTHON=python3.11 TORCH_SPEC='torch==2.13.0' MPICOMM_EXTRAS='mpi,apps,test,tensorboard'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${MPICOMM_EXTRAS:-mpi,apps,test}
+EXTRAS=${MPICOMM_EXTRAS:-mpi,apps,test,tensorboard}
 stamp=.venv/.mpicomm-installed
 want="$(cat setup.cfg setup.py | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ ! -x .venv/bin/python ]; then
