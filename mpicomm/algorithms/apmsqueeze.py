@@ -108,6 +108,11 @@ class APMSqueeze(AllReduceAdam):
 
     name = "apmsqueeze"
     config_class = APMSqueezeConfig
+    centralized = True
+    clips_average = False
+    takes_optimizer = False
+    optimizer_refusal = ("its Adam (exact during warm-up, frozen-variance 1-bit momentum after) is part of the "
+                         "method; set lr, beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

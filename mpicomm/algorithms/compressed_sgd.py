@@ -119,6 +119,7 @@ class CompressedSGD(Algorithm):
 
     name = "compressed_sgd"
     config_class = CompressedSGDConfig
+    centralized = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -219,6 +220,8 @@ class EFSignSGD(CompressedSGD):
 
     name = "ef_signsgd"
     config_class = AlgorithmConfig
+    optimizer_refusal = ("its error feedback compresses lr * g, so the step is part of the method; "
+                         "set lr, momentum and weight_decay instead")
 
     def _make_codec(self, seed):
         return SignCodec(scale="l1")

@@ -93,6 +93,9 @@ class HSQ(Algorithm):
 
     name = "hsq"
     config_class = HSQConfig
+    centralized = True
+    optimizer_refusal = ("the server momentum is part of the method (applied to the decoded average); "
+                         "set lr, momentum and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -74,6 +74,9 @@ class LAMB(Algorithm):
 
     name = "lamb"
     config_class = LAMBConfig
+    centralized = True
+    optimizer_refusal = "its layer-wise trust ratio is the method; set lr, beta1, beta2, eps and weight_decay instead"
+    builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -146,6 +149,8 @@ class OneBitLAMB(LAMB):
 
     name = "onebit_lamb"
     config_class = OneBitLAMBConfig
+    optimizer_refusal = ("1-bit LAMB's compressed momentum and frozen trust ratios are the method; set lr, "
+                         "beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

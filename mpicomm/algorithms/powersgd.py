@@ -92,6 +92,7 @@ class PowerSGD(Algorithm):
 
     name = "powersgd"
     config_class = PowerSGDConfig
+    centralized = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

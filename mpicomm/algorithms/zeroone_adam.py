@@ -80,6 +80,9 @@ class ZeroOneAdam(Algorithm):
 
     name = "zeroone_adam"
     config_class = ZeroOneAdamConfig
+    centralized = True
+    optimizer_refusal = ("0/1 Adam's frozen variance and local steps are the method; set lr, beta1, beta2, eps "
+                         "and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
