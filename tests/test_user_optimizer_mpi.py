@@ -27,8 +27,12 @@ def _sgd(model, lr=0.05):
     return torch.optim.SGD(decay_groups(model, 0.01), lr=lr, momentum=0.9)
 
 
-def _reference(n, steps, build, mix):
-    """Every rank's flat parameters after ``steps``: ``mix(x, t)`` of the iterates plus each optimizer's update."""
+def _reference(n, steps, build, mix, adapt_first=False):
+    """Every rank's flat parameters after ``steps``, each optimizer's update d taken at the rank's iterate x.
+
+    ``mix(x, t)``: the gossip; then x <- mix(x) + d (D-PSGD's order) or, ``adapt_first``, mix(x + d).
+    ``mix=None``: centralized, every optimizer steps the gradient averaged over the ranks.
+    """
     models = [make_model(0) for _ in range(n)]
     optimizers = [build(m) for m in models]
     for t in range(steps):
@@ -41,7 +45,28 @@ def _reference(n, steps, build, mix):
                 p.grad = gp
             opt.step()
             updates.append(torch.nn.utils.parameters_to_vector(m.parameters()).detach() - x[r])
-        new = (mix(x, t) if mix is not None else x) + torch.stack(updates)
+        d = torch.stack(updates)
+        new = x + d if mix is None else (mix(x + d, t) if adapt_first else mix(x, t) + d)
+        for r, m in enumerate(models):
+            torch.nn.utils.vector_to_parameters(new[r], m.parameters())
+    return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
+
+
+def _reference_d2(n, steps, build, schedule):
+    """D² with the optimizer's update d in place of -alpha g: x_{k+1/2} = 2 x_k - x_{k-1} + d_k - d_{k-1}."""
+    models = [make_model(0) for _ in range(n)]
+    optimizers = [build(m) for m in models]
+    x_prev = d_prev = None
+    for t in range(steps):
+        x = torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
+        for r, (m, opt) in enumerate(zip(models, optimizers)):
+            for p, gp in zip(m.parameters(), _split(grad_at(x[r], r, t), m)):
+                p.grad = gp
+            opt.step()
+        d = torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models]) - x
+        half = x + d if x_prev is None else 2 * x - x_prev + d - d_prev
+        x_prev, d_prev = x, d
+        new = mixing(schedule, t) @ half
         for r, m in enumerate(models):
             torch.nn.utils.vector_to_parameters(new[r], m.parameters())
     return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
@@ -56,18 +81,46 @@ def _split(g, model):
     return out
 
 
+# Decentralized algorithms in a configuration whose gossip is exact (D-PSGD's mixing with W).
+DECENTRALIZED = {
+    "dpsgd": {},
+    "moniqua": {"bits": 32, "parts": 1, "gamma": 1.0},
+    "dcd": {"codec": "identity"},
+    "choco-cta": {"codec": "identity", "gamma": 1.0, "order": "cta"},
+    "choco-atc": {"codec": "identity", "gamma": 1.0},
+    "pdsgdm": {"period": 1, "order": "cta"},
+    "cpdsgdm": {"codec": "identity", "gamma": 1.0, "period": 1, "order": "cta"},
+}
+
+
 @pytest.mark.parametrize("build", [_adamw, _sgd], ids=["adamw", "sgd"])
-@pytest.mark.parametrize("name", ["dpsgd", "moniqua"])
-def test_decentralized_user_optimizer_matches_reference(comm, name, build):
+@pytest.mark.parametrize("case", sorted(DECENTRALIZED))
+def test_decentralized_user_optimizer_matches_reference(comm, case, build):
     def body():
         n = comm.Get_size()
         for schedule in topologies_for(n)[:2]:
             model = make_model(seed=comm.Get_rank())
-            options = {"bits": 32, "parts": 1, "gamma": 1.0} if name == "moniqua" else {}
-            algo = make_algorithm(name, model, Communicator(comm, schedule), optimizer=build(model), **options)
+            algo = make_algorithm(case.split("-")[0], model, Communicator(comm, schedule), optimizer=build(model),
+                                  **DECENTRALIZED[case])
             train(algo, 5)
-            expected = _reference(n, 5, build, lambda x, t, s=schedule: mixing(s, t) @ x)[comm.Get_rank()]
+            expected = _reference(n, 5, build, lambda x, t, s=schedule: mixing(s, t) @ x,
+                                  adapt_first=case.endswith("atc"))[comm.Get_rank()]
             torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("build", [_adamw, _sgd], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("name", ["d2", "moniqua_d2"])
+def test_d2_user_optimizer_matches_reference(comm, name, build):
+    def body():
+        schedule = topologies_for(comm.Get_size())[0]
+        model = make_model(seed=comm.Get_rank())
+        options = {"bits": 32, "parts": 1, "gamma": 1.0} if name == "moniqua_d2" else {}
+        algo = make_algorithm(name, model, Communicator(comm, schedule), optimizer=build(model), **options)
+        train(algo, 5)
+        expected = _reference_d2(comm.Get_size(), 5, build, schedule)[comm.Get_rank()]
+        torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
 
     run_all(comm, body)
 
@@ -87,13 +140,22 @@ def test_moniqua_quantized_with_adamw_tracks_dpsgd(comm):
     run_all(comm, body)
 
 
-@pytest.mark.parametrize("name", ["allreduce_sgd", "allreduce_adam"])
+# Centralized algorithms in a configuration whose averaging is exact.
+CENTRALIZED = {
+    "allreduce_sgd": {},
+    "allreduce_adam": {},
+    "compressed_sgd": {"codec": "identity"},
+    "powersgd": {"warmup_steps": 5},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CENTRALIZED))
 @pytest.mark.parametrize("build", [_adamw, _sgd], ids=["adamw", "sgd"])
 def test_centralized_user_optimizer_matches_reference(comm, name, build):
     def body():
         model = make_model(seed=comm.Get_rank())
         algo = make_algorithm(name, model, Communicator(comm, topologies_for(comm.Get_size())[0]),
-                              optimizer=build(model))
+                              optimizer=build(model), **CENTRALIZED[name])
         train(algo, 5)
         expected = _reference(comm.Get_size(), 5, build, None)[0]
         torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
@@ -120,14 +182,33 @@ def test_builtin_and_user_sgd_agree(comm):
 REFUSING = sorted(n for n, c in ALGORITHMS.items() if not c.takes_optimizer)
 
 
-@pytest.mark.parametrize("name", ["apmsqueeze", "hsq", "ef_signsgd", "zeroone_adam", "lamb", "onebit_lamb", "d2"])
+def test_the_refusing_algorithms_are_those_whose_optimizer_is_the_method():
+    assert REFUSING == ["apmsqueeze", "ef_signsgd", "hsq", "lamb", "onebit_lamb", "zeroone_adam"]
+
+
+@pytest.mark.parametrize("name", REFUSING)
 def test_refusals_name_the_algorithm_on_every_rank(comm, name):
     def body():
         model = make_model()
-        with pytest.raises(ValueError, match=f"{name} does not accept optimizer=: .*(set|builds)") as info:
+        refusal = f"{name} does not accept optimizer=: .* the method.*; set lr, .* instead"
+        with pytest.raises(ValueError, match=refusal) as info:
             make_algorithm(name, model, Communicator(comm, topologies_for(comm.Get_size())[0]),
                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        assert name in REFUSING and "rank 0" in str(info.value)
+        assert "rank 0" in str(info.value)
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("compressed_sgd", {"error_feedback": True}, "compressed_sgd: error feedback compresses lr"),
+    ("pdsgdm", {"average_momentum": True}, "pdsgdm: average_momentum=True averages the built-in"),
+])
+def test_configurations_whose_step_is_the_method_refuse_an_optimizer(comm, name, options, message):
+    def body():
+        model = make_model()
+        with pytest.raises(ValueError, match=message):
+            make_algorithm(name, model, Communicator(comm, topologies_for(comm.Get_size())[0]),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **options)
 
     run_all(comm, body)
 
@@ -159,12 +240,22 @@ def test_bad_optimizers_fail_on_every_rank(comm, case):
     run_all(comm, body)
 
 
-@pytest.mark.parametrize("name", ["dpsgd", "moniqua", "allreduce_sgd", "allreduce_adam"])
+RESUME = {"dpsgd": {}, "moniqua": {"bits": 2}, "moniqua_d2": {"bits": 2}, "d2": {}, "choco": {}, "dcd": {},
+          "cpdsgdm": {"period": 2}, "pdsgdm": {"period": 2}, "powergossip": {"min_compression_rate": 1.0},
+          "allreduce_sgd": {}, "allreduce_adam": {}, "compressed_sgd": {}, "qsgd": {}, "terngrad": {},
+          "signsgd": {}, "powersgd": {"warmup_steps": 2, "min_compression_rate": 1.0}}
+
+
+def test_every_algorithm_that_takes_an_optimizer_is_resumed_here():
+    assert set(RESUME) | {"adpsgd", "moniqua_adpsgd"} == {n for n, c in ALGORITHMS.items() if c.takes_optimizer}
+
+
+@pytest.mark.parametrize("name", sorted(RESUME))
 @pytest.mark.parametrize("build", [_adamw, _sgd], ids=["adamw", "sgd"])
 def test_resume_with_optimizer_and_scheduler_is_bit_exact(comm, name, build):
     """N + N == 2N with the optimizer's state in state_dict() and a cosine scheduler's in the caller's."""
     schedule = topologies_for(comm.Get_size())[-1]
-    options = {"bits": 2} if name == "moniqua" else {}
+    options = RESUME[name]
 
     def fresh(seed=0):
         model = make_model(seed)

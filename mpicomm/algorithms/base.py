@@ -177,6 +177,7 @@ class Algorithm(abc.ABC):
                 raise ValueError(f"{self.name}: {', '.join(set_fields)} configure the built-in optimizer; with "
                                  "optimizer= set them in your optimizer's param groups instead")
             self._check_optimizer_params(optimizer)
+            self._check_user_optimizer(optimizer)
         except ValueError as exc:
             error = exc
         raise_together(self.comm.comm, error)
@@ -187,6 +188,9 @@ class Algorithm(abc.ABC):
             f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
         self.optimizer = optimizer
         self.user_optimizer = True
+
+    def _check_user_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook: raise ``ValueError`` if this configuration cannot use ``optimizer`` (nothing here)."""
 
     def _check_optimizer_params(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise ``ValueError`` unless ``optimizer`` holds each trainable parameter of the model exactly once."""

@@ -73,6 +73,11 @@ class PDSGDM(PeriodicGossip):
             param = self.optimizer.param_groups[0]["params"][0]
             self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(self.flat.data)
 
+    def _check_user_optimizer(self, optimizer):
+        if self.config.average_momentum:
+            raise ValueError("pdsgdm: average_momentum=True averages the built-in SGD's momentum buffer; "
+                             "it cannot be combined with optimizer=")
+
     def _momentum_buffer(self) -> torch.Tensor:
         return self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["momentum_buffer"]
 
