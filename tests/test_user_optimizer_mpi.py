@@ -294,3 +294,22 @@ def test_set_lr_writes_every_group(comm):
         assert algo.flat.numel == initial_flat().numel()
 
     run_all(comm, body)
+
+
+@pytest.mark.parametrize("name", ["adpsgd", "moniqua_adpsgd"])
+def test_asynchronous_user_optimizer(comm, name):
+    """One rank (no peer to average with): exactly the optimizer's steps. More ranks: timing-dependent, so
+    only that every rank moved, stays finite, and the optimizer took one step per update."""
+    def body():
+        model = make_model()
+        algo = make_algorithm(name, model, Communicator(comm, topologies_for(comm.Get_size())[0]),
+                              optimizer=_adamw(model))
+        train(algo, 4)
+        algo.close()
+        if comm.Get_size() == 1:
+            torch.testing.assert_close(algo.flat.data, _reference(1, 4, _adamw, lambda x, t: x)[0],
+                                       rtol=1e-5, atol=1e-6)
+        assert torch.isfinite(algo.flat.data).all() and not torch.equal(algo.flat.data, initial_flat())
+        assert all(int(s["step"]) == 4 for s in algo.optimizer.state.values())
+
+    run_all(comm, body)

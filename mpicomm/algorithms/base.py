@@ -205,6 +205,14 @@ class Algorithm(abc.ABC):
                 f"model.parameters() or groups of them): {foreign} parameter(s) not of the model, {twice} held "
                 f"twice, missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
+    def optimizer_description(self) -> str:
+        """``"built-in"``, or the user optimizer's type, group count and weight decays (for the run's start record)."""
+        if not self.user_optimizer:
+            return "built-in"
+        groups = self.optimizer.param_groups
+        decays = ", ".join(f"{g.get('weight_decay', 0):g}" for g in groups)
+        return f"{type(self.optimizer).__name__} over {len(groups)} parameter groups (weight_decay {decays})"
+
     @property
     def lr(self) -> float:
         """The step size: group 0's lr of a user optimizer (read at every step), else the built-in one."""

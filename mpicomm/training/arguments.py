@@ -58,7 +58,7 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
                    help="sum the gradients of N batches per update (one update = N batches of --batch-size)")
     p.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
                    help="clip the gradient to 2-norm C (centralized algorithms: the averaged one; 0: off)")
-    p.add_argument("--no-decay-bias-norm", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--no-decay-bias-norm", action="store_true",
                    help="no weight decay on biases and norm weights (a torch optimizer with two parameter groups)")
     p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (bf16/fp16: autocast; "
                    "fp16 with a loss scale agreed across ranks)")

@@ -211,6 +211,7 @@ class _Run:
                             "total_steps": self.total, "ranks": self.size, "algorithm": algo.name,
                             "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
                             "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
+                            "optimizer": algo.optimizer_description(),
                             "train_config": dataclasses.asdict(self.cfg), **run_info})
 
     def wall(self) -> float:
