@@ -27,6 +27,9 @@ equal-size allgather; they are excluded from the average and still apply g_bar.
 
 Seeds: the codebook is built from ``seed`` on every rank; rank r's codec draws use
 ``codec_seed(seed, r) = seed * 1_000_003 + r``.
+
+``optimizer=`` is refused (``ValueError``): the server momentum on the decoded average is part of
+the method; it accepts lr, momentum and weight_decay. ``clip_grad_norm_`` is refused too.
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ buffers (here they are saved, so N + N steps == 2N steps bit for bit).
 
 Bytes per step and rank: warm-up, one fp32 allreduce (2 (n - 1) / n * 4 d sent); compression, one
 1-bit average ((n - 1) P sent in the all-to-all, (n - 1) P in the allgather, P = 4 + L/8).
+
+``optimizer=`` is refused (``ValueError``) by both: the layer-wise trust ratio (and 1-bit LAMB's
+compressed momentum) is the method; they accept lr, beta1, beta2, eps and weight_decay, and refuse
+``clip_grad_norm_``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Traffic on a communication step: PD-SGDM 4d bytes (8d with average_momentum), CP
 Exact reductions (same seed, bit for bit): PD-SGDM(period=1, momentum=0, order="cta") is ``dpsgd``;
 CPD-SGDM(codec="identity", gamma=1) is PD-SGDM with the same period, momentum and order, because the
 lossless path sends the model and applies the same ``gossip_average``.
+
+With a user optimizer (``optimizer=opt``) its update replaces the local SGD line (see :mod:`.periodic`);
+PD-SGDM's ``average_momentum`` needs the built-in SGD's buffer and refuses one.
 """
 
 from __future__ import annotations
