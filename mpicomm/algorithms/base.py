@@ -232,7 +232,8 @@ class Algorithm(abc.ABC):
         locally; the step then uses the sum divided by ``n``, so ``n`` micro-batches of b samples (each
         loss a mean over its b) give the gradient of one batch of ``n b``. ``step_count`` counts the
         updates, not the micro-batches. ``allreduce_sgd(overlap=True)`` launches its buckets during the
-        last micro-batch's backward only.
+        last micro-batch's backward only. Checkpoint between updates (``pending_micro_batches == 0``):
+        ``state_dict()`` does not hold a partial sum.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"accumulate: n must be an int >= 1 (micro-batches per step), got {n!r}")
