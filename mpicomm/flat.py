@@ -8,6 +8,7 @@ per-layer codecs such as HSQ.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,24 @@ class FlatParameters:
                 continue
             p.grad = view.view(layer.shape)
         return self.grad
+
+    @contextlib.contextmanager
+    def redirected(self, buffer: torch.Tensor):
+        """Within the block every parameter's ``.data`` is a view of ``buffer`` (same layout) instead of ``data``.
+
+        Lets an optimizer step a copy of the parameters (its state is keyed by the Parameter objects,
+        which do not change); afterwards the parameters are views of ``data`` again.
+        """
+        if buffer.shape != self.data.shape or buffer.dtype != self.data.dtype:
+            raise ValueError(f"buffer must be {self.numel} {self.data.dtype} elements, got {tuple(buffer.shape)} "
+                             f"{buffer.dtype}")
+        try:
+            for p, layer in zip(self.params, self.layers):
+                p.data = buffer[layer.offset:layer.offset + layer.numel].view(layer.shape)
+            yield buffer
+        finally:
+            for p, layer in zip(self.params, self.layers):
+                p.data = self.data[layer.offset:layer.offset + layer.numel].view(layer.shape)
 
     def check_data_views(self) -> None:
         """Raise if a parameter's ``.data`` no longer lives in the flat buffer (someone re-assigned it)."""

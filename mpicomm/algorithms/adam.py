@@ -17,6 +17,10 @@ averaged flat gradient), so m, v and t live in the optimizer's state. Weight dec
 inside g would leak into the frozen preconditioner; decoupled decay keeps the same
 ``x <- x - lr (update + wd x)`` form in both of its phases. Traffic per step: one allreduce of
 4 d bytes, booked by the Ledger at 2 (n - 1) / n * 4 d bytes sent per rank.
+
+With a user optimizer (``optimizer=opt``, e.g. ``torch.optim.AdamW`` over two parameter groups) the
+averaged gradient goes to ``opt.step()`` instead of the built-in AdamW (then ``lr``, ``beta1``,
+``beta2``, ``eps`` and ``weight_decay`` belong to ``opt``). ``clip_grad_norm_`` clips the averaged g.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class AllReduceAdam(Algorithm):
 
     name = "allreduce_adam"
     config_class = AdamConfig
+    centralized = True
+    clips_average = True
+    takes_optimizer = True
+    builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -76,8 +84,10 @@ class AllReduceAdam(Algorithm):
         """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
         self.comm.allreduce(grad)
         grad.div_(self.comm.size)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+        self._clip(grad)
+        if not self.user_optimizer:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
         self.optimizer.step()
 
     def adam_state(self) -> dict[str, torch.Tensor]:

@@ -11,6 +11,9 @@ the schedule by a generator seeded with seed + rank)::
     adpsgd:          x_i <- x_i + (gamma/2) (x_j - x_i)        gamma = 1 (default): (x_i + x_j) / 2
     moniqua_adpsgd:  x_i <- x_i + (gamma/2) (x̂_j - x̂_i)      both recovered on j's grid (B_j), from x_i
     x_i <- x_i - alpha g_i                                     (torch SGD step; momentum if set)
+
+With a user optimizer (``optimizer=opt``) the SGD line adds ``d_i = opt.step(x_i, g_i) - x_i``, its
+update taken at x_i before the average (Moniqua's theta statistic is then ``||d_i||_inf``).
     publish x_i                                (adpsgd: fp32; moniqua_adpsgd: 16-byte header + payload)
 
 What this implementation guarantees, and what it does not:
@@ -125,6 +128,7 @@ class ADPSGD(Algorithm):
 
     name = "adpsgd"
     config_class = ADPSGDConfig
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -160,14 +164,15 @@ class ADPSGD(Algorithm):
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
-        self._observe(grad)
+        update = self._user_update()
+        self._observe(grad, update)
         if self.peers:
             self._average_with(self.next_peer())
-        self._sgd_step(self.optimizer, self.lr)
+        self._apply_update(update)
         self._publish()
 
-    def _observe(self, grad: torch.Tensor) -> None:
-        """Hook for per-step statistics (Moniqua's theta)."""
+    def _observe(self, grad: torch.Tensor, update: torch.Tensor | None) -> None:
+        """Hook for per-step statistics (Moniqua's theta): the gradient, and a user optimizer's update (or None)."""
 
     def close(self) -> None:
         """Collective: free the window (after every rank has finished training)."""
@@ -215,9 +220,10 @@ class MoniquaADPSGD(ADPSGD):
         self.peer_theta = 0.0  # running max (decay theta_decay per read) of the thetas seen in peers' headers
         self.last: dict[str, float] = {}
 
-    def _observe(self, grad):
+    def _observe(self, grad, update):
         if self.codec is not None:
-            self.rule.observe(local_step_inf(grad, self.lr, self.optimizer), inf_norm(self.flat.data))
+            step_inf = local_step_inf(grad, self.lr, self.optimizer) if update is None else inf_norm(update)
+            self.rule.observe(step_inf, inf_norm(self.flat.data))
 
     def _publish(self) -> None:
         if self.codec is None:

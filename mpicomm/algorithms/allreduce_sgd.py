@@ -6,6 +6,12 @@ Update at step t on every rank (g_i the stochastic gradient of rank i at the sha
     g  <- g + weight_decay * x                     (x is the same everywhere, so decay is not sent)
     m  <- mu * m + g;  x <- x - alpha * m          (torch.optim.SGD; plain SGD when mu = 0)
 
+With a user optimizer (``optimizer=opt``) the last line is ``opt.step()`` on the averaged gradient (its
+groups' lr, weight decay and state; g is not decayed here). ``clip_grad_norm_`` clips the averaged g
+(before weight decay), the same on every rank. With ``accumulate(N)`` the summed micro-batch gradients
+are divided by N after the allreduce when overlapping (the hooks only launch during the last
+micro-batch's backward), before it otherwise.
+
 Every rank applies the same update to the same x, so the parameters stay identical on all ranks.
 Traffic per step: one allreduce of 4d bytes (booked as 2(n-1)/n * 4d sent per rank).
 
@@ -20,8 +26,8 @@ no gradient) and waits for all. The sums are the same element-wise sums as the s
 so the result is bit-identical whenever MPI adds the n contributions of an element in the same
 order for a slice as for the whole vector: always for n <= 2 (commutativity), and for MPICH, whose
 allreduce adds in recursive-doubling order at every message size (see ``allgather_sum``). overlap
-supports one backward pass per step (no gradient accumulation over several backward calls): a hook
-that runs before accumulation refuses a second gradient with a RuntimeError, leaving the first intact.
+supports one backward pass per step outside ``accumulate``: a hook that runs before accumulation
+refuses a second gradient with a RuntimeError, leaving the first intact.
 With MPICH's default (no asynchronous progress thread) a pending iallreduce advances inside MPI
 calls: each hook polls the newest one, and ``MPICH_ASYNC_PROGRESS=1`` lets it advance on its own.
 
@@ -88,10 +94,16 @@ class GradBuckets:
         """Hook before accumulation: refuse a second gradient for a parameter whose bucket may be in flight."""
         if self.ready[index]:
             raise RuntimeError("allreduce_sgd(overlap=True) takes one backward pass per step (this one was "
-                               "refused, the previous gradients are kept); accumulate gradients with overlap=False")
+                               "refused, the previous gradients are kept); use algo.accumulate(n) to sum "
+                               "several backward passes")
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
-        """Hook: parameter ``index`` has its gradient; launch every bucket that is now complete, in order."""
+        """Hook: parameter ``index`` has its gradient; launch every bucket that is now complete, in order.
+
+        Only during the last micro-batch of an accumulation (:meth:`Algorithm.accumulate`).
+        """
+        if self.algo.pending_micro_batches + 1 < self.algo.accumulation:
+            return
         layer = self.algo.flat.layers[index]
         view = self.algo.flat.grad[layer.offset:layer.offset + layer.numel]
         if param.grad.data_ptr() != view.data_ptr():  # autograd replaced the view (grad was None)
@@ -127,6 +139,9 @@ class AllReduceSGD(Algorithm):
 
     name = "allreduce_sgd"
     config_class = AllReduceSGDConfig
+    centralized = True
+    clips_average = True
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -137,9 +152,14 @@ class AllReduceSGD(Algorithm):
     def step(self) -> None:
         """As :meth:`Algorithm.step`; with overlap, the step's traffic also counts buckets sent during backward."""
         super().step()
-        if self._first_launch is not None:
+        if self._first_launch is not None and not self.pending_micro_batches:
             now = self.comm.ledger.totals()
             self._last_step = {k: now[k] - self._first_launch[k] for k in now}
+
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """With overlap the buckets may be in flight: scaling the accumulation waits for :meth:`_step`."""
+        if self.buckets is None:
+            super()._prepare(grad)
 
     def _step(self, grad: torch.Tensor) -> None:
         if self.buckets is None:
@@ -147,9 +167,11 @@ class AllReduceSGD(Algorithm):
             self.comm.allreduce(grad)
         else:
             self._first_launch = self.buckets.finish()
+            super()._prepare(grad)
         grad.div_(self.comm.size)
+        self._clip(grad)
         self._decayed(grad)
-        self._sgd_step(self.optimizer, self.lr)
+        self._local_step()
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer)}

@@ -31,6 +31,9 @@ Bytes per compression step and rank, P = 4 + L/8 (one float32 scale + L sign bit
 alltoall contributes n P (sends (n - 1) P), allgather contributes P (sends (n - 1) P); an fp32
 allreduce sends 2 (n - 1)/n * 4 d, i.e. 4 d / (n P) ~ 32x more. Every buffer of the compression
 phase is allocated at construction, so the switch adds no allocation.
+
+``optimizer=`` is refused (``ValueError``): the Adam of both phases is the method; its lr, beta1,
+beta2, eps and weight_decay options are what it accepts. ``clip_grad_norm_`` is refused too.
 """
 
 from __future__ import annotations
@@ -108,6 +111,11 @@ class APMSqueeze(AllReduceAdam):
 
     name = "apmsqueeze"
     config_class = APMSqueezeConfig
+    centralized = True
+    clips_average = False
+    takes_optimizer = False
+    optimizer_refusal = ("its Adam (exact during warm-up, frozen-variance 1-bit momentum after) is part of the "
+                         "method; set lr, beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -8,6 +8,16 @@ Usage, identical for all algorithms::
         loss_fn(model(x), y).backward()
         algo.step()                      # communicate + update, on the flat parameter buffer
 
+Your own optimizer (the peers' idiom; see :meth:`Algorithm.use_optimizer` for what "the local step"
+then means)::
+
+    groups = [{"params": decayed, "weight_decay": 0.01}, {"params": biases_and_norms, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    algo = make_algorithm("dpsgd", model, communicator, optimizer=optimizer)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    algo.accumulate(4)                   # step() communicates and updates once every 4 micro-batches
+    algo.clip_grad_norm_(1.0)            # clip every step's gradient (see clip_grad_norm_ for which one)
+
 An algorithm owns a :class:`~mpicomm.flat.FlatParameters` (parameters as views of one buffer), talks to
 the network only through the :class:`~mpicomm.comm.Communicator` it is given, and keeps everything it
 needs to continue bit-exactly in ``state_dict()``.
@@ -75,11 +85,20 @@ class Algorithm(abc.ABC):
     """Base class: flat parameters, a communicator, a validated config, a step counter, traffic stats.
 
     Subclasses set ``name`` and ``config_class``, implement :meth:`step`, and extend
-    :meth:`_extra_state` / :meth:`_load_extra_state` with whatever else they keep.
+    :meth:`_extra_state` / :meth:`_load_extra_state` with whatever else they keep. ``centralized``
+    says whether every rank applies one averaged (or decoded) gradient (it decides which gradient
+    :meth:`clip_grad_norm_` clips); ``takes_optimizer`` whether :meth:`use_optimizer` accepts a user's
+    ``torch.optim.Optimizer``, and ``optimizer_refusal`` says what such an algorithm accepts instead.
     """
 
     name: ClassVar[str] = "algorithm"
     config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    centralized: ClassVar[bool] = False
+    clips_average: ClassVar[bool] = False
+    takes_optimizer: ClassVar[bool] = False
+    optimizer_refusal: ClassVar[str] = ("its local step is not converted to a user optimizer yet; "
+                                        "it builds its own from lr, momentum and weight_decay")
+    builtin_optimizer_fields: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
 
     def __init__(self, model: torch.nn.Module, comm: Communicator, config: AlgorithmConfig | None = None):
         config = self.config_class() if config is None else config
@@ -90,13 +109,24 @@ class Algorithm(abc.ABC):
         self.config = config
         self.flat = FlatParameters(model)
         self.step_count = 0
+        self.user_optimizer = False
         self.lr = config.lr
+        self.accumulation = 1
+        self.max_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
+        self._micro = 0
         self._step_start = comm.ledger.totals()
         self._last_step: dict[str, int] = {k: 0 for k in self._step_start}
         self._check_same_everywhere()
         if config.broadcast_init:
             self.comm.bcast(self.flat.data, root=0)
             self.comm.ledger.reset()
+
+    @classmethod
+    def check_takes_optimizer(cls) -> None:
+        """Raise ``ValueError`` naming this algorithm and what it accepts unless it takes a user optimizer."""
+        if not cls.takes_optimizer:
+            raise ValueError(f"{cls.name} does not accept optimizer=: {cls.optimizer_refusal}")
 
     # ------------------------------------------------------------------ construction checks
     def _check_same_everywhere(self) -> None:
@@ -113,15 +143,157 @@ class Algorithm(abc.ABC):
             error = ValueError(f"config mismatch: this rank has {mine[1]}, rank 0 has {first[1]}")
         raise_together(self.comm.comm, error)
 
+    # ------------------------------------------------------------------ a user's optimizer
+    def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective: take ``optimizer`` (built over this model's parameters) as the local step.
+
+        ``make_algorithm(..., optimizer=...)`` calls this. The parameters stay views of the flat buffer
+        (their ``.data`` and ``.grad`` are slices of ``flat.data`` and ``flat.grad``), so the optimizer
+        keeps its own parameter groups and updates the flat buffer in place through those views: no
+        copy of its param_groups is made and its state is keyed by the model's own Parameters.
+
+        What "the local step" then is depends on the family. Centralized algorithms average (or
+        decode) the gradient into ``flat.grad`` and call ``optimizer.step()``. Decentralized ones use
+        the optimizer's update at the current iterate, ``d_i = step(x_i, g_i) - x_i`` (computed on a
+        scratch copy of x, so one model-sized temporary), in place of ``-lr g_i``: ``x_i <- mix(x)_i + d_i``.
+        The built-in step (``lr``/``momentum``/``weight_decay``, weight decay folded into g at x_i) is the
+        same equation with torch SGD. The optimizer's own weight decay (per group) replaces
+        ``weight_decay``; the lr is read from ``param_groups`` at every step (group 0's is reported), so a
+        ``torch.optim.lr_scheduler`` works, and :meth:`set_lr` writes one lr into every group.
+        ``state_dict()`` carries the optimizer's state; a scheduler's state is the caller's to save.
+
+        Raises ``ValueError`` on every rank if this algorithm's optimizer is part of the method, if the
+        optimizer's parameters are not exactly the model's trainable ones, if ``lr``/``momentum``/
+        ``weight_decay`` were also set, or if the ranks' optimizers differ (type or group options).
+        """
+        error = None
+        try:
+            self.check_takes_optimizer()
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            set_fields = [f for f in self.builtin_optimizer_fields
+                          if getattr(self.config, f) != getattr(self.config_class(), f)]
+            if set_fields:
+                raise ValueError(f"{self.name}: {', '.join(set_fields)} configure the built-in optimizer; with "
+                                 "optimizer= set them in your optimizer's param groups instead")
+            self._check_optimizer_params(optimizer)
+            self._check_user_optimizer(optimizer)
+        except ValueError as exc:
+            error = exc
+        raise_together(self.comm.comm, error)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        mine = repr((type(optimizer).__name__, groups))
+        first = self.comm.comm.bcast(mine, root=0)
+        raise_together(self.comm.comm, None if mine == first else ValueError(
+            f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
+        self.optimizer = optimizer
+        self.user_optimizer = True
+
+    def _check_user_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook: raise ``ValueError`` if this configuration cannot use ``optimizer`` (nothing here)."""
+
+    def _check_optimizer_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise ``ValueError`` unless ``optimizer`` holds each trainable parameter of the model exactly once."""
+        names = {id(p): layer.name for p, layer in zip(self.flat.params, self.flat.layers)}
+        held = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        foreign = sum(1 for i in held if i not in names)
+        twice = len(held) - len(set(held))
+        missing = [names[i] for i in names if i not in set(held)]
+        if foreign or twice or missing:
+            raise ValueError(
+                f"optimizer must hold every trainable parameter of the model exactly once (build it over "
+                f"model.parameters() or groups of them): {foreign} parameter(s) not of the model, {twice} held "
+                f"twice, missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def optimizer_description(self) -> str:
+        """``"built-in"``, or the user optimizer's type, group count and weight decays (for the run's start record)."""
+        if not self.user_optimizer:
+            return "built-in"
+        groups = self.optimizer.param_groups
+        decays = ", ".join(f"{g.get('weight_decay', 0):g}" for g in groups)
+        return f"{type(self.optimizer).__name__} over {len(groups)} parameter groups (weight_decay {decays})"
+
+    @property
+    def lr(self) -> float:
+        """The step size: group 0's lr of a user optimizer (read at every step), else the built-in one."""
+        if self.user_optimizer:
+            return float(self.optimizer.param_groups[0]["lr"])
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = float(value)
+
+    # ------------------------------------------------------------------ accumulation and clipping
+    def accumulate(self, n: int) -> None:
+        """Communicate and update once every ``n`` calls of :meth:`step` (micro-batches).
+
+        Between them :meth:`zero_grad` does nothing, so backward sums the micro-batches' gradients
+        locally; the step then uses the sum divided by ``n``, so ``n`` micro-batches of b samples (each
+        loss a mean over its b) give the gradient of one batch of ``n b``. ``step_count`` counts the
+        updates, not the micro-batches. ``allreduce_sgd(overlap=True)`` launches its buckets during the
+        last micro-batch's backward only. Checkpoint between updates (``pending_micro_batches == 0``):
+        ``state_dict()`` does not hold a partial sum.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"accumulate: n must be an int >= 1 (micro-batches per step), got {n!r}")
+        if self._micro:
+            raise RuntimeError(f"accumulate: {self._micro} micro-batch(es) are pending; change n between steps")
+        self.accumulation = n
+
+    @property
+    def pending_micro_batches(self) -> int:
+        """Micro-batches whose gradients are summed but not yet stepped (0 right after an update)."""
+        return self._micro
+
+    def clip_grad_norm_(self, max_norm: float | None) -> None:
+        """Clip every step's gradient to 2-norm ``max_norm`` as ``torch.nn.utils.clip_grad_norm_`` does.
+
+        Centralized algorithms clip the *averaged* gradient (its norm is the same on every rank, as
+        with DDP followed by ``clip_grad_norm_``); decentralized ones clip each rank's local gradient
+        (after accumulation, before weight decay and mixing). The norm before clipping is
+        ``last_grad_norm`` (and ``grad_norm`` in :meth:`stats`). ``None`` turns clipping off.
+        """
+        if max_norm is None:
+            self.max_grad_norm = None
+            return
+        check_range("clip_grad_norm_: max_norm", max_norm, lo=0.0, lo_open=True)
+        if self.centralized and not self.clips_average:
+            raise ValueError(f"{self.name} does not support clip_grad_norm_: its update is not a step on one "
+                             "averaged gradient that could be clipped")
+        self.max_grad_norm = float(max_norm)
+
+    def _clip(self, grad: torch.Tensor) -> None:
+        """Clip ``grad`` (the flat gradient, through the parameters' views) when clipping is on."""
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.flat.params, self.max_grad_norm)
+
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """Before :meth:`_step`: the mean of the accumulated micro-batches and, if decentralized, clipping."""
+        if self.accumulation > 1:
+            grad.div_(self.accumulation)
+        if not self.centralized:
+            self._clip(grad)
+
     # ------------------------------------------------------------------ the training-loop surface
     def zero_grad(self) -> None:
-        """Zero the gradient buffer (call before ``backward()``)."""
-        self.flat.zero_grad()
+        """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate."""
+        if not self._micro:
+            self.flat.zero_grad()
 
     def step(self) -> None:
-        """Consume the gradients of the last backward pass: communicate and update the parameters."""
+        """Consume the gradients of the last backward pass: communicate and update the parameters.
+
+        With :meth:`accumulate` (n) only every n-th call does so; the others just count the micro-batch.
+        """
+        self._micro += 1
+        if self._micro < self.accumulation:
+            return
+        self._micro = 0
         self._step_start = self.comm.ledger.totals()
-        self._step(self.flat.gather_grads())
+        grad = self.flat.gather_grads()
+        self._prepare(grad)
+        self._step(grad)
         self.step_count += 1
         now = self.comm.ledger.totals()
         self._last_step = {k: now[k] - self._step_start[k] for k in now}
@@ -142,8 +314,11 @@ class Algorithm(abc.ABC):
         return torch.optim.SGD([param], lr=self.lr, momentum=mu)
 
     def _decayed(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad += weight_decay * x`` in place (the L2 term of the local objective); returns ``grad``."""
-        if self.config.weight_decay:
+        """``grad += weight_decay * x`` in place (the L2 term of the local objective); returns ``grad``.
+
+        Nothing with a user optimizer: its param groups carry their own weight decay.
+        """
+        if self.config.weight_decay and not self.user_optimizer:
             grad.add_(self.flat.data, alpha=self.config.weight_decay)
         return grad
 
@@ -154,6 +329,33 @@ class Algorithm(abc.ABC):
             group["lr"] = lr
         optimizer.step()
 
+    def _local_step(self) -> None:
+        """``x <- x + update`` from ``flat.grad``: the user optimizer's step, or the built-in SGD at ``lr``."""
+        if self.user_optimizer:
+            self.optimizer.step()
+        else:
+            self._sgd_step(self.optimizer, self.lr)
+
+    def _user_update(self) -> torch.Tensor | None:
+        """A user optimizer's update at the current iterate, ``step(x) - x``, leaving x as it is.
+
+        The optimizer steps a scratch copy of x (the parameters point at it meanwhile), so its state
+        advances exactly once. None with the built-in optimizer (see :meth:`_apply_update`).
+        """
+        if not self.user_optimizer:
+            return None
+        scratch = self.flat.data.clone()
+        with self.flat.redirected(scratch):
+            self.optimizer.step()
+        return scratch.sub_(self.flat.data)
+
+    def _apply_update(self, update: torch.Tensor | None) -> None:
+        """After mixing: ``x += update`` (from :meth:`_user_update`), or the built-in SGD step."""
+        if update is None:
+            self._sgd_step(self.optimizer, self.lr)
+        else:
+            self.flat.data.add_(update)
+
     def close(self) -> None:
         """Collective: release communication resources (asynchronous algorithms free their windows)."""
 
@@ -162,9 +364,12 @@ class Algorithm(abc.ABC):
         return {}
 
     def set_lr(self, lr: float) -> None:
-        """Change the step size (learning-rate schedules call this every step)."""
+        """Change the step size (the app's schedule calls this every step); with a user optimizer, of every group."""
         check_range("lr", lr, lo=0.0)
         self.lr = float(lr)
+        if self.user_optimizer:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(lr)
 
     # ------------------------------------------------------------------ evaluation and stats
     def consensus_model(self) -> torch.Tensor:
@@ -187,6 +392,8 @@ class Algorithm(abc.ABC):
         out.update({f"step_{k}": v for k, v in self._last_step.items()})
         out.update({f"total_{k}": v for k, v in totals.items()})
         out["bits_per_parameter"] = 8.0 * self._last_step["bytes_contributed"] / self.flat.numel
+        if self.last_grad_norm is not None:
+            out["grad_norm"] = float(self.last_grad_norm)
         return out
 
     # ------------------------------------------------------------------ checkpointing

@@ -21,6 +21,8 @@ Exact reduction: with the lossless ``identity`` codec the copies would always eq
 the model itself is sent and ``x_i <- W_ii x_i + sum_j W_ij x_j`` is applied with the same
 ``gossip_average`` as D-PSGD when gamma = 1. Hence CHOCO(identity, gamma=1, order="cta") is the
 registered ``dpsgd`` and CHOCO(identity, gamma=1) is PD-SGDM(period=1), bit for bit.
+
+With a user optimizer (``optimizer=opt``) its update replaces the SGD line; see :mod:`.periodic`.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ Registered algorithms:
   is x <- x - alpha * (vote + weight_decay * x).
 * ``ef_signsgd``: SignCodec(scale="l1"), C(p) = (||p||_1 / d) sign(p), with error feedback.
 
+With a user optimizer (``optimizer=opt``; not with error feedback, whose compressed quantity is the
+step alpha g + e itself) the last line is ``opt.step()`` on u. ``clip_grad_norm_`` clips u (the
+aggregated direction, the same on every rank; not with error feedback).
+
 Memory beyond the model: the codec's scratch, O(log n) decode buffers, torch's momentum buffer, and
 for error feedback the error vector e (d floats). State (momentum, e, codec RNG) is in state_dict().
 """
@@ -119,6 +123,9 @@ class CompressedSGD(Algorithm):
 
     name = "compressed_sgd"
     config_class = CompressedSGDConfig
+    centralized = True
+    clips_average = True
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -126,6 +133,18 @@ class CompressedSGD(Algorithm):
         self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
         self.error = torch.zeros_like(self.flat.data) if self._error_feedback() else None
         self.optimizer = self._local_sgd()
+
+    def _check_user_optimizer(self, optimizer):
+        if self.error is not None:
+            raise ValueError(f"{self.name}: error feedback compresses lr * g + e, so the step is part of the "
+                             "method; use optimizer= without error_feedback, or lr/momentum/weight_decay")
+
+    def clip_grad_norm_(self, max_norm):
+        """As :meth:`Algorithm.clip_grad_norm_` (of u); refused with error feedback (u is a step, not a gradient)."""
+        if max_norm is not None and self.error is not None:
+            raise ValueError(f"{self.name} does not support clip_grad_norm_ with error feedback: what is "
+                             "averaged is the compressed step lr * g + e, not a gradient")
+        super().clip_grad_norm_(max_norm)
 
     def _make_codec(self, seed: int) -> Codec:
         """The codec this rank encodes with (seeded with ``seed``)."""
@@ -143,8 +162,9 @@ class CompressedSGD(Algorithm):
         if self.error is None:
             payload = self.codec.encode(grad)
             self._aggregate(self.payload_sum(payload, out=grad))
+            self._clip(grad)
             self._decayed(grad)
-            self._sgd_step(self.optimizer, self.lr)
+            self._local_step()
             return
         p = grad.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient buffer
         payload = self.codec.encode(p)
@@ -219,6 +239,9 @@ class EFSignSGD(CompressedSGD):
 
     name = "ef_signsgd"
     config_class = AlgorithmConfig
+    takes_optimizer = False
+    optimizer_refusal = ("its error feedback compresses lr * g, so the step is part of the method; "
+                         "set lr, momentum and weight_decay instead")
 
     def _make_codec(self, seed):
         return SignCodec(scale="l1")

@@ -11,6 +11,11 @@ of step k, W the mixing matrix of ``comm.topology(k)``)::
     d2:          x_{k+1} = sum_j W_ij x_{j,k+1/2}                       (D-PSGD's ``gossip_average``)
     moniqua_d2:  x_{k+1} = x_{k+1/2} + gamma sum_j W_ij (x̂_{j,k+1/2} - x̂_{i,k+1/2})  (Moniqua's recovery)
 
+With a user optimizer (``optimizer=opt``) its update at x_k, ``d_k = opt.step(x_k, g_k) - x_k``, takes
+the place of ``-alpha_k g_k`` (and d_{k-1} that of ``-alpha_{k-1} g_{k-1}``, kept instead of g_{k-1}), so
+``x_{k+1/2} = 2 x_k - x_{k-1} + d_k - d_{k-1}``; Moniqua-D²'s statistic is then ``||d_k||_inf``. D²'s
+analysis covers plain SGD steps; an optimizer with momentum or Adam's scaling runs outside it.
+
 With a constant step size the middle line is the paper's ``2 x_k - x_{k-1} - alpha (g_k - g_{k-1})``;
 keeping alpha_{k-1} makes learning-rate schedules exact. Extra memory: x_{k-1} and g_{k-1} (D² needs
 both; Moniqua adds only payload-sized buffers, see :mod:`.moniqua`). D² has no momentum (a momentum
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs._layout import chunk_elems, chunk_ranges
-from .base import Algorithm, AlgorithmConfig
+from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
 from .dpsgd import gossip_average
 from .moniqua import ModuloGossip, MoniquaConfig
 from .registry import register
@@ -71,6 +76,7 @@ class D2(Algorithm):
 
     name = "d2"
     config_class = D2Config
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -83,19 +89,22 @@ class D2(Algorithm):
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
+        update = self._user_update()
+        # the step is lr * direction: alpha_k g_k, or -d_k with a user optimizer (then lr = 1)
+        direction, lr = (grad, self.lr) if update is None else (update.neg_(), 1.0)
         x = self.flat.data
         if self.started:  # x_prev <- x_{k+1/2}, then swap, so that x = x_{k+1/2} and x_prev = x_k
-            self.x_prev.neg_().add_(x, alpha=2.0).sub_(grad, alpha=self.lr).add_(self.g_prev, alpha=self.lr_prev)
+            self.x_prev.neg_().add_(x, alpha=2.0).sub_(direction, alpha=lr).add_(self.g_prev, alpha=self.lr_prev)
             self._swap(x, self.x_prev)
         else:
             self.x_prev.copy_(x)
-            x.sub_(grad, alpha=self.lr)
+            x.sub_(direction, alpha=lr)
             self.started = True
-        self.g_prev.copy_(grad)
-        self.lr_prev = self.lr
-        self._mix(x, grad)
+        self.g_prev.copy_(direction)
+        self.lr_prev = lr
+        self._mix(x, direction, lr)
 
-    def _mix(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def _mix(self, x: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
         """x_{k+1} = sum_j W_ij x_{j,k+1/2}, exactly as D-PSGD mixes."""
         topo = self.comm.topology(self.step_count)
         rows = self.comm.neighbor_allgather(x, step=self.step_count)
@@ -110,10 +119,15 @@ class D2(Algorithm):
             b[start:stop].copy_(t)
 
     def _extra_state(self):
-        return {"x_prev": self.x_prev.clone(), "g_prev": self.g_prev.clone(), "lr_prev": self.lr_prev,
-                "started": self.started}
+        state = {"x_prev": self.x_prev.clone(), "g_prev": self.g_prev.clone(), "lr_prev": self.lr_prev,
+                 "started": self.started}
+        if self.user_optimizer:
+            state["optimizer"] = clone_optimizer_state(self.optimizer)
+        return state
 
     def _load_extra_state(self, extra):
+        if self.user_optimizer:
+            self.optimizer.load_state_dict(extra["optimizer"])
         self.x_prev.copy_(extra["x_prev"])
         self.g_prev.copy_(extra["g_prev"])
         self.lr_prev, self.started = float(extra["lr_prev"]), bool(extra["started"])
@@ -130,8 +144,8 @@ class MoniquaD2(D2):
         super().__init__(model, comm, config)
         self.gossip = ModuloGossip(comm, self.config, self.flat)
 
-    def _mix(self, x, grad):
-        if self.gossip.mix(x, self.step_count, self.gossip.step_sizes(grad, self.lr)):
+    def _mix(self, x, direction, lr):
+        if self.gossip.mix(x, self.step_count, self.gossip.step_sizes(direction, lr)):
             self.started = False  # a skipped part mixed with I this step, not W: restart D²'s recursion
 
     def stats(self):

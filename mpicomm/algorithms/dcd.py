@@ -17,6 +17,9 @@ step t + 1 mixes exact models; on a static topology x̂_i^T is x_i^t and this is
 Replicas start at the common initial model (``broadcast_init=True``) or, without it, from one
 full-precision exchange per distinct topology at construction.
 
+With a user optimizer (``optimizer=opt``) ``-alpha g_i`` is replaced by its update at x_i^t,
+``d_i = opt.step(x_i^t, g_i) - x_i^t`` (the optimizer's groups carry lr, momentum and weight decay).
+
 Traffic: ``codec.payload_bytes(d)`` to each out-neighbour of ``comm.topology(t + 1)`` per step.
 
 Exact reduction: with the lossless ``identity`` codec the replicas would be the models, so the step
@@ -49,6 +52,7 @@ class DCD(Algorithm):
 
     name = "dcd"
     config_class = DCDConfig
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -58,11 +62,12 @@ class DCD(Algorithm):
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
+        update = self._user_update()
         x, t, rank = self.flat.data, self.step_count, self.comm.rank
         topo = self.comm.topology(t)
         rows = self.gossip.models(x, t) if self.gossip.lossless else self.gossip.copies_at(t)[1:]
         gossip_average(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank))
-        self._sgd_step(self.optimizer, self.lr)
+        self._apply_update(update)
         if not self.gossip.lossless:
             self.gossip.advance(x, t + 1)
             x.copy_(self.gossip.copies_at(t + 1)[0])

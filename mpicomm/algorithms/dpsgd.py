@@ -8,6 +8,12 @@ at x_i, plus weight_decay * x_i)::
 
     x_i <- sum_j W_t[i, j] x_j - alpha * g_i          (with momentum: m_i <- mu m_i + g_i; use m_i)
 
+With a user optimizer (``make_algorithm("dpsgd", model, comm, optimizer=opt)``) the local step is the
+optimizer's update at the current iterate, taken in place of ``-alpha g_i`` (its groups' weight decay,
+lr and state apply; g_i is the plain gradient)::
+
+    d_i = opt.step(x_i, g_i) - x_i;     x_i <- sum_j W_t[i, j] x_j + d_i
+
 One ``neighbor_allgather`` of the full fp32 model per step. Memory beyond the model: the receive
 buffer (in-degree x d) and, with momentum, torch's momentum buffer. This is the reference every
 compressed decentralized algorithm reduces to with the identity codec.
@@ -38,17 +44,20 @@ class DPSGD(Algorithm):
     name = "dpsgd"
     config_class = AlgorithmConfig
 
+    takes_optimizer = True
+
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
+        update = self._user_update()
         x = self.flat.data
         topo = self.comm.topology(self.step_count)
         received = self.comm.neighbor_allgather(x, step=self.step_count)
         gossip_average(x, received, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))
-        self._sgd_step(self.optimizer, self.lr)
+        self._apply_update(update)
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer)}

@@ -27,6 +27,9 @@ equal-size allgather; they are excluded from the average and still apply g_bar.
 
 Seeds: the codebook is built from ``seed`` on every rank; rank r's codec draws use
 ``codec_seed(seed, r) = seed * 1_000_003 + r``.
+
+``optimizer=`` is refused (``ValueError``): the server momentum on the decoded average is part of
+the method; it accepts lr, momentum and weight_decay. ``clip_grad_norm_`` is refused too.
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ class HSQ(Algorithm):
 
     name = "hsq"
     config_class = HSQConfig
+    centralized = True
+    optimizer_refusal = ("the server momentum is part of the method (applied to the decoded average); "
+                         "set lr, momentum and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

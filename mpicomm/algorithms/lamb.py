@@ -32,6 +32,10 @@ buffers (here they are saved, so N + N steps == 2N steps bit for bit).
 
 Bytes per step and rank: warm-up, one fp32 allreduce (2 (n - 1) / n * 4 d sent); compression, one
 1-bit average ((n - 1) P sent in the all-to-all, (n - 1) P in the allgather, P = 4 + L/8).
+
+``optimizer=`` is refused (``ValueError``) by both: the layer-wise trust ratio (and 1-bit LAMB's
+compressed momentum) is the method; they accept lr, beta1, beta2, eps and weight_decay, and refuse
+``clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ class LAMB(Algorithm):
 
     name = "lamb"
     config_class = LAMBConfig
+    centralized = True
+    optimizer_refusal = "its layer-wise trust ratio is the method; set lr, beta1, beta2, eps and weight_decay instead"
+    builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -146,6 +153,8 @@ class OneBitLAMB(LAMB):
 
     name = "onebit_lamb"
     config_class = OneBitLAMBConfig
+    optimizer_refusal = ("1-bit LAMB's compressed momentum and frozen trust ratios are the method; set lr, "
+                         "beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -12,6 +12,12 @@ codec of :mod:`mpicomm.codecs.lattice` with B_l = 2 theta_l / (1 - 2 delta))::
     x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i)           only for tensors with w_l = 0 (then mix)
     x_i <- x_i - alpha (mu buf + g)                      torch SGD step
 
+With a user optimizer (``optimizer=opt``) the last line is the optimizer's update at the iterate before
+mixing, ``d_i = opt.step(x_i, g_i) - x_i`` (computed on a scratch copy), and theta's statistic is
+``||d_i||_inf`` per tensor, the step actually taken::
+
+    x_i <- (x_i after mixing) + d_i
+
 Defaults: 4 bits on a rotating quarter of each tensor (``bits=4, parts=4``: about 1 bit per parameter
 per step with headers and the collective), ``gamma=1``, theta per tensor, dither, ``guard="skip"``. The
 paper's form (one theta, 1 bit on every coordinate) is ``bits=1, parts=1, theta_per="model",
@@ -299,6 +305,7 @@ class Moniqua(Algorithm):
 
     name = "moniqua"
     config_class = MoniquaConfig
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -307,8 +314,11 @@ class Moniqua(Algorithm):
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
-        self.gossip.mix(self.flat.data, self.step_count, self.gossip.step_sizes(grad, self.lr, self.optimizer))
-        self._sgd_step(self.optimizer, self.lr)
+        update = self._user_update()
+        sizes = (self.gossip.step_sizes(grad, self.lr, self.optimizer) if update is None
+                 else self.gossip.step_sizes(update, 1.0))
+        self.gossip.mix(self.flat.data, self.step_count, sizes)
+        self._apply_update(update)
 
     def stats(self) -> dict[str, Any]:
         """Base stats plus theta's range, gamma and the guard's counters."""

@@ -23,6 +23,9 @@ Traffic on a communication step: PD-SGDM 4d bytes (8d with average_momentum), CP
 Exact reductions (same seed, bit for bit): PD-SGDM(period=1, momentum=0, order="cta") is ``dpsgd``;
 CPD-SGDM(codec="identity", gamma=1) is PD-SGDM with the same period, momentum and order, because the
 lossless path sends the model and applies the same ``gossip_average``.
+
+With a user optimizer (``optimizer=opt``) its update replaces the local SGD line (see :mod:`.periodic`);
+PD-SGDM's ``average_momentum`` needs the built-in SGD's buffer and refuses one.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ class PDSGDM(PeriodicGossip):
         if self.config.average_momentum:  # a zero buffer from the start, so round 0 can average it
             param = self.optimizer.param_groups[0]["params"][0]
             self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(self.flat.data)
+
+    def _check_user_optimizer(self, optimizer):
+        if self.config.average_momentum:
+            raise ValueError("pdsgdm: average_momentum=True averages the built-in SGD's momentum buffer; "
+                             "it cannot be combined with optimizer=")
 
     def _momentum_buffer(self) -> torch.Tensor:
         return self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["momentum_buffer"]

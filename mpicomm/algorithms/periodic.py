@@ -11,6 +11,10 @@ result is what gets averaged. "cta" (combine then adapt) is D-PSGD's order (Lian
 current iterate is averaged and the gradient taken there is applied afterwards; with p = 1 and a
 lossless gossip it is the registered ``dpsgd`` to the last bit.
 
+With a user optimizer (``optimizer=opt``) its update replaces ``-alpha m_i``: "atc" calls ``opt.step()``
+at x_i; "cta" takes ``d_i = opt.step(x_i, g_i) - x_i`` at the pre-gossip iterate and adds it after the
+round (as D-PSGD does). The optimizer's groups carry lr, momentum and weight decay.
+
 Topology of a round: gossip round r (the r-th communication, counted from 0) uses the schedule's
 topology at index r, i.e. ``comm.topology(r)``, not the one at the step number t. With p = 1 the two
 coincide; with p > 1 this makes the rounds walk through a time-varying schedule (one-peer exponential
@@ -52,6 +56,8 @@ class OrderConfig(AlgorithmConfig):
 class PeriodicGossip(Algorithm):
     """Local torch SGD steps with a gossip round every ``config.period``-th step (1 without that field)."""
 
+    takes_optimizer = True
+
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.period = int(getattr(self.config, "period", 1))
@@ -61,11 +67,12 @@ class PeriodicGossip(Algorithm):
         self._decayed(grad)
         t, adapt_first = self.step_count, self.config.order == "atc"
         if adapt_first:
-            self._sgd_step(self.optimizer, self.lr)
+            self._local_step()
+        update = None if adapt_first else self._user_update()
         if (t + 1) % self.period == 0:
             self._gossip((t + 1) // self.period - 1)
         if not adapt_first:
-            self._sgd_step(self.optimizer, self.lr)
+            self._apply_update(update)
 
     @abc.abstractmethod
     def _gossip(self, round_index: int) -> None:

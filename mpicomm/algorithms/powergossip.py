@@ -24,6 +24,8 @@ Traffic per round and rank (deg = its number of neighbours): one ``neighbor_allt
 deg * 4 (p_numel + plain_numel) bytes and one of deg * 4 q_numel bytes.
 Exact reduction: with rank >= min(rows, cols) for every matrix, min_compression_rate = 0 and
 gamma = 1, D̂_e = D_e and the round is D-PSGD's x_i <- sum_j W_ij x_j to float tolerance.
+
+With a user optimizer (``optimizer=opt``) its update replaces the local SGD step; see :mod:`.periodic`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ rank i, with the matrices M and the uncompressed slices u of :mod:`.lowrank`::
     allreduce #2:  Q = (1/n) sum_i Q_i;    Delta = P̂ Q^T per matrix, u elsewhere  (identical on all ranks)
     Delta <- Delta + weight_decay * x;   m <- mu m + Delta;   x <- x - alpha m      (torch.optim.SGD)
 
+With a user optimizer (``optimizer=opt``) the last line is ``opt.step()`` on Delta (its groups carry lr,
+momentum and weight decay); ``clip_grad_norm_`` clips Delta (the same on every rank).
+
 Q starts as standard normal entries from ``seed`` (the same on every rank) and, with ``warm_start``,
 is reused from step to step (redrawn every step without it). Parameters stay identical on all ranks.
 
@@ -92,6 +95,9 @@ class PowerSGD(Algorithm):
 
     name = "powersgd"
     config_class = PowerSGDConfig
+    centralized = True
+    clips_average = True
+    takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -117,8 +123,9 @@ class PowerSGD(Algorithm):
             grad.div_(self.comm.size)
         else:
             self._compress(grad)
+        self._clip(grad)
         self._decayed(grad)
-        self._sgd_step(self.optimizer, self.lr)
+        self._local_step()
 
     def _compress(self, grad: torch.Tensor) -> None:
         """Replace ``grad`` (rank i's g_i) by the aggregated low-rank Delta, updating Q and e_i."""

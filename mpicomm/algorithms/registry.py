@@ -20,16 +20,21 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     return cls
 
 
-def make_algorithm(name: str, model, comm, **options) -> Algorithm:
+def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorithm:
     """Build algorithm ``name`` around ``model`` on ``comm`` with its config fields given as ``options``.
 
-    Collective: an unknown name or option, or an invalid value, raises the same ``ValueError`` on
-    every rank (naming the option and what is allowed) instead of leaving ranks out of step.
+    ``optimizer``: a ``torch.optim.Optimizer`` over ``model``'s parameters to use as the local step
+    (:meth:`Algorithm.use_optimizer`); without one the algorithm builds its own from ``lr``,
+    ``momentum`` and ``weight_decay``. Collective: an unknown name or option, an invalid value, or an
+    optimizer this algorithm refuses raises the same ``ValueError`` on every rank (naming the option
+    and what is allowed) instead of leaving ranks out of step.
     """
     error, config, cls = None, None, ALGORITHMS.get(name)
     try:
         if cls is None:
             raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+        if optimizer is not None:
+            cls.check_takes_optimizer()
         fields = {f.name for f in dataclasses.fields(cls.config_class)}
         unknown = sorted(set(options) - fields)
         if unknown:
@@ -38,4 +43,7 @@ def make_algorithm(name: str, model, comm, **options) -> Algorithm:
     except (ValueError, TypeError) as exc:
         error = exc
     raise_together(comm.comm, error)
-    return cls(model, comm, config)
+    algo = cls(model, comm, config)
+    if optimizer is not None:
+        algo.use_optimizer(optimizer)
+    return algo

@@ -30,6 +30,9 @@ Bytes per step and rank: a variance step is one fp32 allreduce (booked 2 (n - 1)
 compressed or sync step is one 1-bit average ((n - 1) P sent in the all-to-all and (n - 1) P in the
 allgather, P = 4 + L/8); a local step sends nothing. ``stats()`` gives the kind of the last step and
 the count of each kind.
+
+``optimizer=`` is refused (``ValueError``): the frozen variance and local steps are the method;
+it accepts lr, beta1, beta2, eps and weight_decay, and refuses ``clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class ZeroOneAdam(Algorithm):
 
     name = "zeroone_adam"
     config_class = ZeroOneAdamConfig
+    centralized = True
+    optimizer_refusal = ("0/1 Adam's frozen variance and local steps are the method; set lr, beta1, beta2, eps "
+                         "and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -1,7 +1,8 @@
 """Command-line arguments every training app shares, and the set-up they drive.
 
 ``app_parser`` adds the loop's options (epochs, schedule, checkpoints, …), ``--algorithm`` and
-``--topology``; ``parse_app_args`` parses in two passes so the chosen algorithm's own options
+``--topology``, ``--accumulate``, ``--clip-grad-norm`` and ``--no-decay-bias-norm``; ``parse_app_args``
+parses in two passes so the chosen algorithm's own options
 (generated from its config dataclass) are accepted and shown in ``--help``; ``setup_run`` builds the
 communicator and the algorithm, turning any configuration error into the same message on every rank.
 """
@@ -22,6 +23,7 @@ from ..net import NAMED, parse_net
 from .device import place, place_task
 from .loop import TrainConfig
 from .options import add_algorithm_options, config_kwargs
+from .param_groups import app_optimizer
 from .precision import PRECISIONS
 from .tensorboard import require_tensorboard
 
@@ -55,6 +57,12 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
                    "else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--accumulate", type=int, default=1, metavar="N",
+                   help="sum the gradients of N batches per update (one update = N batches of --batch-size)")
+    p.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="C",
+                   help="clip the gradient to 2-norm C (centralized algorithms: the averaged one; 0: off)")
+    p.add_argument("--no-decay-bias-norm", action="store_true",
+                   help="no weight decay on biases and norm weights (a torch optimizer with two parameter groups)")
     p.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} (bf16/fp16: autocast; "
                    "fp16 with a loss scale agreed across ranks)")
     return p
@@ -86,6 +94,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         log_every=args.log_every, eval_every=args.eval_every, out_dir=args.out_dir, save_every=args.save_every,
         keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
+        accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
     )
 
 
@@ -124,5 +133,18 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
     fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
     if "total_steps" in fields and options.get("total_steps") is None:
         options["total_steps"] = cfg.total_steps(task.steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction
-    algo = make_algorithm(args.algorithm, task.model, comm, **options)
+    optimizer = None
+    if getattr(args, "no_decay_bias_norm", False):
+        try:
+            optimizer = app_optimizer(args.algorithm, task.model, options)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        raise_together(mpi_comm, error)
+    algo = make_algorithm(args.algorithm, task.model, comm, optimizer=optimizer, **options)
+    try:
+        algo.accumulate(cfg.accumulate)
+        algo.clip_grad_norm_(cfg.clip_grad_norm or None)
+    except ValueError as exc:
+        error = exc
+    raise_together(mpi_comm, error)
     return task, algo, cfg

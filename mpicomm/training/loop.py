@@ -6,6 +6,13 @@ loop runs ``zero_grad → loss.backward → algo.step`` for the configured numbe
 bit-exactly: batches are a pure function of (seed, rank, epoch, index), the learning rate a pure function
 of the step, and every random generator is part of the checkpoint.
 
+The schedule stays the loop's own pure function of the step (set into every parameter group of a
+user optimizer by ``algo.set_lr``), not a ``torch.optim.lr_scheduler``: that is what keeps resume exact
+without a scheduler state in the checkpoint. ``accumulate`` N: each step (update) takes N batches,
+whose gradients the algorithm sums (:meth:`~mpicomm.algorithms.base.Algorithm.accumulate`); the logged
+loss is the mean over the micro-batches, and checkpoints fall between steps only. ``clip_grad_norm``:
+:meth:`~mpicomm.algorithms.base.Algorithm.clip_grad_norm_`.
+
 After each step the ranks agree, in one small collective, whether to stop (a signal: checkpoint and
 exit) or whether the run diverged (a non-finite loss or parameter: stop without saving); see
 :mod:`.health`. Errors every rank shares end the run with one message (:mod:`mpicomm.errors`).
@@ -87,9 +94,11 @@ class TrainConfig:
     stop_at_step: int = 0
     precision: str = "fp32"
     tensorboard: str = ""
+    accumulate: int = 1
+    clip_grad_norm: float = 0.0
 
     def __post_init__(self):
-        for name in ("epochs", "log_every"):
+        for name in ("epochs", "log_every", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_every", "save_every", "warmup_steps", "stop_at_step"):
@@ -99,12 +108,21 @@ class TrainConfig:
             raise ValueError(f"--keep-last must be >= 1, got {self.keep_last}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not self.clip_grad_norm >= 0:
+            raise ValueError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
+        if self.accumulate > 1 and self.precision == "fp16":
+            raise ValueError("--accumulate cannot be combined with --precision fp16 (the loss scale's overflow "
+                             "check is per backward pass); use bf16")
         if (self.save_every or self.resume) and not self.out_dir:
             raise ValueError("--save-every/--resume need --out-dir (where checkpoints live)")
 
     def total_steps(self, steps_per_epoch: int) -> int:
-        """Steps of the whole run: ``epochs * steps_per_epoch``, capped by ``max_steps`` when set."""
-        total = self.epochs * steps_per_epoch
+        """Steps (updates) of the whole run: ``epochs * steps_per_epoch // accumulate``, capped by ``max_steps``.
+
+        ``steps_per_epoch`` counts batches; with ``accumulate`` N each update takes N of them (an update
+        may straddle the end of an epoch; a remainder of fewer than N batches at the end is not used).
+        """
+        total = self.epochs * steps_per_epoch // self.accumulate
         return min(total, self.max_steps) if self.max_steps else total
 
 
@@ -141,6 +159,8 @@ class _Run:
         self.mpi_comm = algo.comm.comm
         self.rank, self.size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
         self.total = cfg.total_steps(task.steps_per_epoch)
+        algo.accumulate(cfg.accumulate)
+        algo.clip_grad_norm_(cfg.clip_grad_norm or None)
         self.schedule = LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones,
                                    cfg.lr_gamma)
         self.meta = run_meta(algo.comm, algo)
@@ -196,6 +216,7 @@ class _Run:
                             "total_steps": self.total, "ranks": self.size, "algorithm": algo.name,
                             "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
                             "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
+                            "optimizer": algo.optimizer_description(),
                             "train_config": dataclasses.asdict(self.cfg), **run_info})
 
     def wall(self) -> float:
@@ -244,10 +265,13 @@ class _Run:
         stopped_by = 0
         last_eval: dict[str, float] = {}
         epoch, start = self.epoch, self.start
+        blocked = slept = elapsed = 0.0
+        step_loss, crossed_epoch = None, False
         while self.step < total and not stopped_by:
             for index, batch in enumerate(task.train_batches(epoch, start), start=start):
-                algo.set_lr(self.schedule(self.step))
-                blocked, slept = clock.blocked_s, clock.slept_s
+                if not algo.pending_micro_batches:  # the first micro-batch of a step
+                    algo.set_lr(self.schedule(self.step))
+                    blocked, slept, elapsed, step_loss = clock.blocked_s, clock.slept_s, 0.0, None
                 t0 = time.perf_counter()
                 algo.zero_grad()
                 with self.precision.autocast():
@@ -255,14 +279,19 @@ class _Run:
                 self.precision.backward(loss)
                 if self.precision.ready(algo.flat):
                     algo.step()
-                elapsed = time.perf_counter() - t0
+                elapsed += time.perf_counter() - t0
+                loss = loss.detach().double()  # on the device: read at checks and log lines only
+                step_loss = loss if step_loss is None else step_loss + loss
+                for k, v in counts.items():
+                    counters[k] = counters.get(k, 0) + (v.detach() if torch.is_tensor(v) else float(v))
+                crossed_epoch = crossed_epoch or index + 1 == task.steps_per_epoch
+                if algo.pending_micro_batches:  # accumulating: no update, so no step to account for yet
+                    continue
                 self.step += 1
                 step = self.step
                 self.train_s += elapsed
                 account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
-                window["loss"] += loss.detach().double()  # on the device: read at checks and log lines only
-                for k, v in counts.items():
-                    counters[k] = counters.get(k, 0) + (v.detach() if torch.is_tensor(v) else float(v))
+                window["loss"] += step_loss / cfg.accumulate if cfg.accumulate > 1 else step_loss
                 finished_epoch = index + 1 == task.steps_per_epoch
                 position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
                 logging = step % cfg.log_every == 0 or step == total
@@ -279,7 +308,7 @@ class _Run:
                 if logging:
                     log_window(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
                          self.wall())
-                if (cfg.eval_every and step % cfg.eval_every == 0) or (finished_epoch and not cfg.eval_every) \
+                if (cfg.eval_every and step % cfg.eval_every == 0) or (crossed_epoch and not cfg.eval_every) \
                         or step == total:
                     with algo.comm.unmetered():
                         last_eval = evaluate(task, algo, self.mpi_comm)
@@ -287,6 +316,7 @@ class _Run:
                                         "epoch": epoch + (index + 1) / task.steps_per_epoch,
                                         "wall_s": self.wall(), "train_s": self.train_s, **last_eval,
                                         **algo.comm.ledger.totals()})
+                crossed_epoch = False
                 if saving:
                     self.save(position)
                 stopped_by = verdict.signal
