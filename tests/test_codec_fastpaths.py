@@ -96,3 +96,26 @@ def test_lattice_functions_equal_their_formulas(bits, rounding):
     out = torch.empty(n)
     assert lattice.lattice_value(L_dec, s, u, out=out) is out
     assert torch.equal(out, v_ref) and torch.equal(lattice.lattice_value(L_dec, s, u), v_ref)
+
+
+@pytest.mark.parametrize("d", [8, 16])
+def test_hsq_decode_gathers_into_out_as_the_formula(d):
+    """Whole chunks are gathered straight into ``out``, the padded last chunk apart: u_hat * c_k, padding dropped."""
+    from mpicomm.codecs import HSQCodec
+
+    layout = [1001, 37, 4099, 2048]  # padded, raw, padded, whole chunks
+    c = HSQCodec(layout, d=d, seed=3)
+    x = torch.randn(sum(layout), generator=torch.Generator().manual_seed(d))
+    payload = c.encode(x)
+    out = torch.full((x.numel(),), 5.0)
+    assert c.decode(payload, x.numel(), out=out) is out
+    cb = c._on(torch.device("cpu"))[0]
+    for offset, size, n, pos in c._plan:
+        got = out[offset:offset + size]
+        if n == 0:
+            assert torch.equal(got, x[offset:offset + size])
+            continue
+        nb = c._norms.payload_bytes(n)
+        u = c._norms.decode(payload[pos:pos + nb], n)
+        idx = c._unpack_indices(payload[pos + nb:pos + c._layer_bytes(size, n)], n)
+        assert torch.equal(got, (cb[idx] * u[:, None]).reshape(-1)[:size])
