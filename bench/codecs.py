@@ -7,8 +7,10 @@ memory-bandwidth limit) and ``x.clone()`` (a fresh tensor: also pays the page fa
 each codec's ``encode`` and ``decode(payload, n, out=buf)`` into a preallocated float32 buffer, are timed in
 the same run, interleaved round by round, on ``--threads`` threads (1: what one MPI rank per core gets);
 the median of ``--repeat`` rounds is reported. ratio = (encode + decode) / copy; the clone ratio is kept
-for comparison with earlier runs. Targets at 16M elements (issue 14): sign and nearest uniform <= 3x copy,
-Moniqua <= 3.5x, stochastic uniform and QSGD <= 6x, top-k <= 8x, HSQ d=16 <= 12x.
+for comparison with earlier runs. A third baseline, one elementwise op (``mul_``) over the tensor in
+cache-sized chunks, is what each pass of a codec's op-at-a-time maths costs. Targets at 16M elements
+(issue 14): sign and nearest uniform <= 3x copy, Moniqua <= 3.5x, stochastic uniform and QSGD <= 6x,
+top-k <= 8x, HSQ d=16 <= 12x.
 
 Moniqua is timed twice: ``ModuloCodec`` (the first codec) and the lattice codec that the Moniqua algorithm
 uses (``mpicomm.codecs.lattice``: encode = the step's shared dither + the packed codes; decode = recovery
@@ -148,6 +150,12 @@ def bench_size(n: int, repeat: int, only: str | None) -> list[dict]:
     entries = [(label, c, t) for label, c, t in codecs(ref) if only is None or only in label]
     copy_times: list[float] = []
     clone_times: list[float] = []
+    pass_times: list[float] = []
+    chunk = torch.empty(min(n, chunk_elems(x.device)))
+
+    def in_cache_pass():  # one elementwise op over n elements held in an L2-sized chunk (what codecs stream)
+        for _ in range(-(-n // chunk.numel())):
+            chunk.mul_(1.0)
     enc: dict[str, list[float]] = {label: [] for label, _, _ in entries}
     dec: dict[str, list[float]] = {label: [] for label, _, _ in entries}
     dst.copy_(x)
@@ -156,6 +164,7 @@ def bench_size(n: int, repeat: int, only: str | None) -> list[dict]:
         codec.decode(codec.encode(x), n, out=out)
     for _ in range(repeat):
         copy_times.append(timed(lambda: dst.copy_(x))[0])
+        pass_times.append(timed(in_cache_pass)[0])
         dt, y = timed(x.clone)
         clone_times.append(dt)
         del y
@@ -166,6 +175,7 @@ def bench_size(n: int, repeat: int, only: str | None) -> list[dict]:
             dec[label].append(dt)
             del payload
     copy, clone = statistics.median(copy_times), statistics.median(clone_times)
+    one_pass = statistics.median(pass_times)
     rows = []
     for label, codec, target in entries:
         e, d = statistics.median(enc[label]), statistics.median(dec[label])
@@ -176,6 +186,7 @@ def bench_size(n: int, repeat: int, only: str | None) -> list[dict]:
                 "bits_per_element": codec.bits_per_element(n),
                 "copy_ms": copy * 1e3,
                 "clone_ms": clone * 1e3,
+                "in_cache_pass_ms": one_pass * 1e3,
                 "encode_ms": e * 1e3,
                 "decode_ms": d * 1e3,
                 "ratio": (e + d) / copy,
@@ -187,6 +198,10 @@ def bench_size(n: int, repeat: int, only: str | None) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
+    for n in sorted({r["n"] for r in rows}):
+        r = next(r for r in rows if r["n"] == n)
+        print(f"n = {n}: copy_ {r['copy_ms']:.2f} ms, clone {r['clone_ms']:.2f} ms, one elementwise pass over "
+              f"cache-sized chunks {r['in_cache_pass_ms']:.2f} ms = {r['in_cache_pass_ms'] / r['copy_ms']:.2f}x copy")
     head = (f"{'codec':<28} {'n':>9} {'bits/el':>7} {'copy ms':>8} {'clone ms':>9} {'enc ms':>8} {'dec ms':>8} "
             f"{'/copy':>6} {'/clone':>6}  target")
     print(head)
