@@ -71,17 +71,20 @@ class _Lattice:
 
     encode draws the step's dither (once per step in the algorithm, shared by the encode and every decode)
     and packs the codes chunk by chunk; decode recovers L' against the reference (the input) and writes
-    x_hat = (L' - u)/s into ``out``.
+    x_hat = (L' - u)/s into ``out``. The flat coordinates the dither is keyed by are built once (they
+    change only with the parts sent, not with the step).
     """
 
     def __init__(self, bits: int, x_ref: dict, theta: float = 0.01):
         self.bits, self.ref = bits, x_ref
         self.s = (1 << bits) * (1.0 - 2.0 * lattice.delta(bits, "dither")) / (2.0 * theta)
-        self.u = None
+        self.u = self.coords = None
 
     def encode(self, x):
         n, bits, dev = x.numel(), self.bits, x.device
-        self.u = lattice.dither(lattice.stream_key(0, 1), torch.arange(n, dtype=torch.int64, device=dev))
+        if self.coords is None or self.coords.numel() != n or self.coords.device != dev:
+            self.coords = torch.arange(n, dtype=torch.int64, device=dev)
+        self.u = lattice.dither(lattice.stream_key(0, 1), self.coords)
         payload = torch.empty(lattice.packed_bytes(n, bits), dtype=torch.uint8, device=dev)
         for lo, hi in chunk_ranges(n, chunk_elems(dev)):
             packed, _ = lattice.lattice_encode(x[lo:hi], self.s, bits, self.u[lo:hi])
