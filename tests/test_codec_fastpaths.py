@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,3 +120,45 @@ def test_hsq_decode_gathers_into_out_as_the_formula(d):
         u = c._norms.decode(payload[pos:pos + nb], n)
         idx = c._unpack_indices(payload[pos + nb:pos + c._layer_bytes(size, n)], n)
         assert torch.equal(got, (cb[idx] * u[:, None]).reshape(-1)[:size])
+
+
+def _topk_cases():
+    rng = np.random.default_rng(0)
+    n = 1 << 17
+    normal = rng.standard_normal(n).astype(np.float32)
+    zeros = normal.copy()
+    zeros[: n - 1000] = 0.0  # k beyond the non-zeros: the k-th largest is a tie of many zeros
+    ties = np.round(normal * 4).astype(np.float32)  # few distinct values: ties at the cut
+    nans = normal.copy()
+    nans[rng.integers(0, n, 50)] = np.nan  # NaN sorts as the largest
+    infs = normal.copy()
+    infs[rng.integers(0, n, 50)] = np.inf
+    periodic = np.tile(np.arange(64, dtype=np.float32), n // 64)  # the strided sample sees one value only
+    ramp = np.arange(n, dtype=np.float32)
+    return {"normal": normal, "zeros": zeros, "ties": ties, "nans": nans, "infs": infs, "periodic": periodic,
+            "ramp": ramp, "small": normal[:1000]}
+
+
+@pytest.mark.parametrize("case", sorted(_topk_cases()))
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2, 0.3])
+def test_top_k_indices_is_the_argpartition_set(case, ratio):
+    """The candidate shortcut keeps exactly the set that np.argpartition keeps (ties and NaN included)."""
+    from mpicomm.codecs.sparse import top_k_indices
+
+    a = np.abs(_topk_cases()[case])
+    k = max(1, int(ratio * a.shape[0]))
+    want = np.sort(np.argpartition(a, a.shape[0] - k)[a.shape[0] - k:])
+    assert np.array_equal(np.sort(top_k_indices(a, k)), want)
+
+
+def test_top_k_shortcut_is_taken_on_a_large_tensor(monkeypatch):
+    """On a large tensor with distinct magnitudes the full argpartition is not run (the shortcut pays)."""
+    from mpicomm.codecs import sparse
+
+    a = np.abs(np.random.default_rng(1).standard_normal(1 << 18).astype(np.float32))
+    calls = []
+    real = np.argpartition
+    monkeypatch.setattr(sparse.np, "argpartition", lambda v, kth: calls.append(v.shape[0]) or real(v, kth))
+    idx = sparse.top_k_indices(a, 2621)
+    assert max(calls) < a.shape[0] // 10, calls
+    assert np.array_equal(np.sort(idx), np.sort(real(a, a.shape[0] - 2621)[a.shape[0] - 2621:]))
