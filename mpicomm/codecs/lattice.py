@@ -33,8 +33,8 @@ import torch
 
 from . import bitpack
 
-__all__ = ["ROUNDINGS", "coordinate_hashes", "delta", "dither", "lattice_decode", "lattice_encode", "lattice_value",
-           "stream_key"]
+__all__ = ["DITHER_CHUNK", "ROUNDINGS", "coordinate_hashes", "delta", "dither", "lattice_decode", "lattice_encode",
+           "lattice_value", "stream_key"]
 
 ROUNDINGS = ("dither", "nearest", "stochastic")
 _MASK64 = (1 << 64) - 1
