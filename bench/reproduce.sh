@@ -21,8 +21,9 @@ chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
   case "$name" in
-    comm) mpiexec -n 4 python bench/comm.py --repeat 41 ;;
-    codecs) python bench/codecs.py --sizes 1M,16M,64M ;;
+    comm) mpiexec -n 4 python bench/comm.py --repeat 41
+          python bench/comm.py --compare-yield 4 --repeat 21 --rounds 3 ;;
+    codecs) python bench/codecs.py --sizes 1M,16M --repeat 5 ;;
     decentralized|centralized|moniqua) mpiexec -n 4 python "bench/$name.py" ;;
     netvalidate) python bench/net_validate.py ;;
     tta) python bench/time_to_accuracy.py ;;

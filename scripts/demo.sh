@@ -16,6 +16,8 @@ scripts/setup_env.sh >/dev/null
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RANKS=${RANKS:-4}
+. scripts/mpi_yield.sh
+mpi_yield_if_oversubscribed "$RANKS"  # 4 ranks on fewer cores: let MPI's waiting ranks yield their core
 run() {  # label, algorithm arguments...
   local label=$1; shift
   echo "== $label"

@@ -342,8 +342,11 @@ class HSQCodec(Codec):
             nb = self._norms.payload_bytes(n)
             u = self._norms.decode(payload[pos : pos + nb], n)
             idx = self._unpack_indices(payload[pos + nb : pos + self._layer_bytes(size, n)], n)
-            vec = torch.index_select(cb, 0, idx).mul_(u[:, None])
-            dst.copy_(vec.view(-1)[:size])
+            full = size // self.d  # whole chunks are gathered straight into out, the padded one apart
+            rows = dst[: full * self.d].view(full, self.d)
+            torch.index_select(cb, 0, idx[:full], out=rows).mul_(u[:full, None])
+            if full < n:
+                dst[full * self.d :].copy_(cb[idx[full]].mul(u[full])[: size - full * self.d])
         return out
 
     # ------------------------------------------------------------------ state

@@ -85,6 +85,7 @@ class Communicator:
         self.net = net if isinstance(net, NetSpec) else parse_net(net)
         self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
         self._recv: dict[tuple, torch.Tensor] = {}
+        self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
         self._graphs: list = []
         self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         by_topology: dict = {}
@@ -145,11 +146,19 @@ class Communicator:
         graph = self._graphs[index][1]
         sources, dests = self._neighbors[index]
         shape = (len(sources), *send.shape)
+        key = rspec = None
         if out is None:
-            out = self._recv_buffer("neighbor_allgather", shape, send)
-        self._check_out(out, shape, send, "neighbor_allgather")
+            key = ("neighbor_allgather", shape, send.dtype, send.device)
+            out = self._recv_buffer(*key[:2], send)
+            rspec = self._recv_specs.get(key)
+        else:
+            self._check_out(out, shape, send, "neighbor_allgather")
         sbuf = self.router.outbound("neighbor_allgather", send)
         rbuf, land = self.router.inbound("neighbor_allgather", out)
+        if rspec is None or rbuf is not out:
+            rspec = as_bytes(rbuf)
+            if key is not None and rbuf is out and out.device.type == "cpu":
+                self._recv_specs[key] = rspec  # a cached CPU buffer MPI writes directly: its spec never changes
         nbytes = send.numel() * send.element_size()
         self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources)
 
@@ -161,9 +170,9 @@ class Communicator:
             return out
 
         if blocking:
-            self.clock.run(cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)))
+            self.clock.run(cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), rspec))
             return finish()
-        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
+        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), rspec), finish, cost)
 
     def _handle(self, request, finish, cost) -> Handle:
         """A :class:`Handle` whose modelled transfer is queued on the link now."""
