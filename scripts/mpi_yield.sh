@@ -1,4 +1,4 @@
-# Sourced by the launch scripts (demo.sh, netshape.sh): with more MPI ranks than cores, MPICH's waiting ranks
+# Sourced by the launch scripts (demo.sh, test.sh): with more MPI ranks than cores, MPICH's waiting ranks
 # busy-poll the cores their peers need; `python bench/comm.py --compare-yield 4` measured small neighbour
 # exchanges 15-27x faster on 2 cores with MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting rank sleeps instead).
 # Open MPI's equivalent, OMPI_MCA_mpi_yield_when_idle=1, is set too (each library ignores the other's).

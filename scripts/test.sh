@@ -15,6 +15,9 @@ if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev
 fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+. scripts/mpi_yield.sh
+mpi_yield_if_oversubscribed 4   # the tests start up to 4 ranks: on fewer cores, waiting ranks yield theirs
+echo "== MPICH yield when idle: ${MPIR_CVAR_ENABLE_HEAVY_YIELD:-unset} (set when the tests' 4 ranks outnumber the cores)"
 echo "== network: ${MPICOMM_NETNS:-host (not root or no unshare: MPI runs on the normal network stack)}"
 failed=()
 tier() {  # tier NAME COMMAND...
