@@ -43,8 +43,9 @@ CASES = {  # label: (algorithm, options, codec row it is compared with or None)
     "dpsgd": ("dpsgd", {"momentum": 0.9}, None),
     "moniqua (default: 4 bits, 1/4 parts)": ("moniqua", {"momentum": 0.9}, "lattice 4-bit dither, 1/4 of the model"),
     "moniqua 1-bit (1/4 parts)": ("moniqua", {"momentum": 0.9, "bits": 1}, "lattice 1-bit dither, 1/4 of the model"),
-    "moniqua 1-bit paper form (all parts)": ("moniqua", {"momentum": 0.9, "bits": 1, "parts": 1, "theta_per": "model",
-                                                          "rounding": "nearest", "gamma": 0.5}, "lattice 1-bit nearest"),
+    "moniqua 1-bit paper form (all parts)": ("moniqua", {"momentum": 0.9, "bits": 1, "parts": 1, "gamma": 0.5,
+                                                          "theta_per": "model", "rounding": "nearest"},
+                                             "lattice 1-bit nearest"),
     "hsq d=16": ("hsq", {"momentum": 0.9, "d": 16}, "hsq d=16"),
     "choco (qsgd 4-bit)": ("choco", {"momentum": 0.9, "codec": "qsgd", "codec_options": {"bits": 4}}, "qsgd 4-bit"),
     "apmsqueeze (compression phase)": ("apmsqueeze", {"lr": 1e-3, "warmup_steps": 2}, "sign l2 (1-bit)"),
@@ -106,7 +107,7 @@ class Case:
 
 
 def _lattice(bits: int, rounding: str, fraction: int):
-    """Moniqua's lattice codec: encode + decode + value of 1/``fraction`` of the model, chunked as the algorithm does."""
+    """Moniqua's lattice codec: encode + decode + value of 1/``fraction`` of the model, in the algorithm's chunks."""
     from mpicomm.codecs import lattice
     from mpicomm.codecs._layout import chunk_elems, chunk_ranges
 
@@ -228,8 +229,10 @@ def summarise(gathered, codecs: dict[str, float], args, numel: int, ranks: int) 
               "codec enc+dec ms", "own / codec"]
     title = (f"Per-step overhead on ResNet-20 ({numel} parameters), {ranks} ranks on a ring, one thread per rank, "
              f"median of {args.rounds} x {args.steps} steps")
-    lines = [title, "", markdown_table(header, rows), "", "| target | measured ms | bound ms | met |", "|---|---|---|---|"]
-    lines += [f"| {k} | {t['ms']:.2f} | {t['bound_ms']:.2f} | {'yes' if t['met'] else 'no'} |" for k, t in targets.items()]
+    lines = [title, "", markdown_table(header, rows), "", "| target | measured ms | bound ms | met |",
+             "|---|---|---|---|"]
+    lines += [f"| {k} | {t['ms']:.2f} | {t['bound_ms']:.2f} | {'yes' if t['met'] else 'no'} |"
+              for k, t in targets.items()]
     return {"title": title, "machine": machine(), "cases": cases, "codecs_ms": {k: 1e3 * v for k, v in codecs.items()},
             "targets": targets, "markdown": "\n".join(lines),
             "command": f"mpiexec -n {ranks} python bench/step_overhead.py --steps {args.steps} --rounds {args.rounds}"}

@@ -225,10 +225,10 @@ class ModuloGossip:
                 t.add_(frame.u)
             frame.base = t  # the receivers' t, with their own x: every decode of this rank starts from it
             L = t.add(noise[chunk.lo:chunk.hi]).floor_() if noise is not None else t.round()
-            points = L.to(torch.int64)
-            codes = points.bitwise_and((1 << bits) - 1).to(torch.uint8)
+            points, work = _int64_pair(L)
+            codes = torch.bitwise_and(points, (1 << bits) - 1, out=work).to(torch.uint8)
             bitpack.pack(codes, bits, out=body[chunk.lo * bits // 8:chunk.hi * bits // 8], check=False)
-            own.index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends))
+            own.index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
             torch.mul(frame.value(L, frame.spread(inverse)), -wsum, out=increment[chunk.lo:chunk.hi])
             frames.append(frame)
         self.layout.header(self.send).copy_(own[:-1].bitwise_and_(LOW31))
@@ -253,12 +253,13 @@ class ModuloGossip:
         inverse = _per_run(1.0 / scales, increment.device)
         for frame in frames:
             lo, hi, spread = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
+            pair = torch.empty(2 * (hi - lo), dtype=torch.int64, device=increment.device)  # one for every row
             for k, (w, row) in enumerate(zip(weights, rows)):
                 codes = bitpack.unpack(row[body + lo * bits // 8:body + hi * bits // 8], bits, hi - lo)
                 code = codes.to(torch.float32)
                 L = torch.sub(frame.base, code).mul_(1.0 / levels).round_().mul_(levels).add_(code)
-                fingerprints[k].index_add_(0, frame.tensors, run_fingerprints(L.to(torch.int64), frame.hashes,
-                                                                              frame.ends))
+                points, work = _int64_pair(L, pair)
+                fingerprints[k].index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
                 increment[lo:hi].add_(frame.value(L, spread), alpha=w)
         headers = rows[:, :body].view(torch.int32)
         mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0)
@@ -328,6 +329,14 @@ class _Frame:
         if self.u is not None:
             L.sub_(self.u)
         return L.mul_(inverse)
+
+
+def _int64_pair(L: torch.Tensor, pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L`` as int64 and a work buffer of its size, both in ``pair`` (2 |L| int64, allocated if None): one
+    allocation where two fresh ones would each be mapped anew by the C allocator (page faults)."""
+    n = L.numel()
+    pair = torch.empty(2 * n, dtype=torch.int64, device=L.device) if pair is None else pair
+    return pair[:n].copy_(L), pair[n:]
 
 
 def _per_run(per_tensor: torch.Tensor, device) -> torch.Tensor:

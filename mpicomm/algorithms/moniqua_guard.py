@@ -30,14 +30,14 @@ LOW31 = 0x7FFFFFFF
 """The header field is a fingerprint's low 31 bits (a non-negative int32)."""
 
 
-def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
     """``sum_c H_c (L_c mod 2^20)`` over each run of coordinates ending (inclusive) at ``ends``, int64.
 
     ``L``: the int64 lattice points, overwritten; ``hashes``: the coordinates' odd 20-bit H_c; runs are
-    consecutive and cover ``L`` from its start. Exact: a running int64 sum (below 2^40 per term), read
-    at the run ends and differenced.
+    consecutive and cover ``L`` from its start; ``running``: an int64 buffer of L's size for the running
+    sum. Exact: a running int64 sum (below 2^40 per term), read at the run ends and differenced.
     """
-    sums = L.bitwise_and_(_HASH_MASK).mul_(hashes).cumsum(0)[ends]
+    sums = torch.cumsum(L.bitwise_and_(_HASH_MASK).mul_(hashes), 0, out=running)[ends]
     return torch.diff(sums, prepend=sums.new_zeros(1))
 
 
