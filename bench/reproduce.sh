@@ -3,7 +3,7 @@
 #   bench/reproduce.sh                 # everything
 #   bench/reproduce.sh tta bert        # only some: comm codecs decentralized centralized moniqua
 #                                      #            netvalidate tta bert hsq scaling moniqua-theta
-#                                      #            peers peers-apps
+#                                      #            peers peers-apps step-overhead
 # As root with `unshare`, everything runs in a loopback-only network namespace (the shaped-network
 # validation builds its own namespaces inside it); elsewhere it runs on the normal network stack.
 # Wall-clock cases are cached in bench/results/runs/ (ignored by git); add --fresh to a bench script to
@@ -16,7 +16,8 @@ if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev
 fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
-all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling moniqua-theta peers peers-apps)
+all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling moniqua-theta peers peers-apps
+     step-overhead)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -33,6 +34,7 @@ for name in "${chosen[@]}"; do
     moniqua-theta) python bench/moniqua_theta_scale.py ;;
     peers) mpiexec -n 4 python bench/peers.py ;;
     peers-apps) python bench/peers_apps.py ;;
+    step-overhead) mpiexec -n 4 python bench/step_overhead.py ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
 done

@@ -327,3 +327,17 @@ def test_torch_backend_gives_the_same_bytes(mode):
         codec = HSQCodec([3000, 17, 1983], **kw)
         assert torch.equal(codec.encode(x), ref)
         assert torch.equal(codec.decode(ref, 5000), ref_decoded)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_greedy_with_scratch_is_bit_identical_and_reuses_the_buffer(rows):
+    """The reused products/magnitudes buffer gives the same indices and values as fresh temporaries, also when it
+    holds stale numbers and is longer than needed."""
+    g = torch.Generator().manual_seed(rows)
+    cb = codebook("gaussian", 8, 64, seed=3)
+    chunks = torch.randn(rows, 8, generator=g)
+    scratch = torch.randn(2 * 300 * 64 + 5, generator=g)
+    i0, v0 = greedy_select(chunks, cb)
+    i1, v1 = greedy_select(chunks, cb, scratch)
+    assert torch.equal(i0, i1) and torch.equal(v0, v1)
+    assert i0.tolist() == (chunks @ cb.T).abs().argmax(dim=1).tolist()

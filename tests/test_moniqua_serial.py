@@ -231,3 +231,50 @@ def test_parts_rotate_and_cover_every_tensor_once_per_period():
     assert layout.part(0, 0) == (0, 2) and layout.part(1, 0) == (10, 11) and layout.part(0, 1) == (2, 5)
     # header 3 x 4 bytes, slots ceil(ceil(n/4) * 4 / 8): 2 + 1 + 1, total 16 (a multiple of 4)
     assert layout.slots == [12, 14, 15] and layout.message_bytes == 16
+
+
+@pytest.mark.parametrize("parts,bits,chunk", [(4, 4, 8), (3, 1, 16), (1, 8, 1 << 18), (4, 2, 24)])
+def test_plan_runs_cover_every_code_position_once(parts, bits, chunk):
+    """Per step the chunks tile the body's code positions; each tensor's run(s) hold its part's coordinates at its
+    slot, in order; everything else is gap."""
+    layers = [Layer("a", 0, (10,)), Layer("b", 10, (3,)), Layer("c", 13, (1,)), Layer("d", 14, (37,))]
+    layout = PartLayout(layers, parts=parts, bits=bits)
+    assert layout.codes * bits == 8 * (layout.message_bytes - layout.header_bytes)
+    for step in range(parts + 1):
+        owner = [None] * layout.codes
+        chunks = layout.plan(step, chunk)
+        assert [c.lo for c in chunks] == list(range(0, layout.codes, chunk)) and chunks[-1].hi == layout.codes
+        for c in chunks:
+            assert sum(c.lengths) == c.hi - c.lo and all(n > 0 for n in c.lengths)
+            assert list(c.ends) == [sum(c.lengths[:r + 1]) - 1 for r in range(len(c.lengths))]
+            q = c.lo
+            for n, tensor, start, shift in zip(c.lengths, c.tensors, c.starts, c.shifts):
+                for i in range(n):
+                    owner[q + i] = None if start is None else (tensor, start + i)
+                    assert start is None or start + i == q + i + shift
+                assert (start is None) == (tensor == len(layers))
+                q += n
+        for tensor, position in enumerate(layout.positions):
+            a, b = layout.part(tensor, step)
+            assert owner[position:position + b - a] == [(tensor, c) for c in range(a, b)]
+        assert sum(o is not None for o in owner) == sum(b - a for a, b in layout.parts_at(step))
+
+
+def test_tensor_inf_numpy_and_torch_paths_agree():
+    """max |t_l| per tensor: the numpy reduceat path and the torch path, with empty tensors (-inf), -0.0 and NaN."""
+    from mpicomm.algorithms.moniqua_parts import tensor_inf
+    from mpicomm.codecs import bitpack
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, generator=g)
+    x[12:15] = -0.0
+    x[30] = math.nan
+    sizes = [0, 5, 7, 3, 0, 10, 15, 0]
+    expected = [-math.inf if n == 0 else float(t.abs().max()) for t, n in zip(x.split(sizes), sizes)]
+    with bitpack.use_backend("torch"):
+        on_torch = tensor_inf(x, sizes)
+    on_numpy = tensor_inf(x, sizes)
+    for got in (on_numpy, on_torch):
+        assert got.dtype == torch.float64
+        assert got[[0, 1, 2, 3, 4, 5, 7]].tolist() == [expected[i] for i in (0, 1, 2, 3, 4, 5, 7)]
+        assert math.isnan(got[6]) and str(got[3].item()) == "0.0"

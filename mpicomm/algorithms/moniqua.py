@@ -47,10 +47,16 @@ tensor's theta scale (at most ``theta_cap``), clean steps shrink it back (``thet
 Wraps are counted per tensor group (:meth:`Moniqua.metrics`, ``metrics.jsonl``) and summarised once by
 rank 0 at the end (:meth:`ModuloGossip.close`), never per step.
 
+Work per step: encode and decode run chunk by chunk over the message's code positions
+(:meth:`.PartLayout.plan`), every tensor of a chunk in one pass of tensor operations (scale, dither and
+fingerprint weight per position), so the number of operations does not grow with the number of tensors;
+the fingerprints stay on the device until the one allreduce, and the host reads the agreed wrap flags
+once. Results are bit for bit those of a tensor-by-tensor loop (same float32 operations per coordinate).
+
 Memory beyond the model: no model-sized buffer per neighbour. Persistent: the send message and the
-receive rows (in-degree x message bytes). Transient per step: the mixing increment, dither and
-fingerprint weights of the coordinates sent (d / P x 16 bytes), chunk-sized temporaries, and a d-sized
-temporary for the per-tensor norms.
+receive rows (in-degree x message bytes). Transient per step: the mixing increment, dither, fingerprint
+weights (int32) and scaled own values of the coordinates sent (d / P x 16 bytes), chunk-sized
+temporaries, and a d-sized temporary for the local step whose per-tensor norms theta needs.
 
 Traffic per step: ``4 T + sum_l ceil(ceil(n_l / P) b / 8)`` bytes (rounded up to a multiple of 4) to each
 out-neighbour in one neighbour collective, plus an allreduce(max) of 2 T float32 (T tensors; booked by the
@@ -66,13 +72,13 @@ from typing import Any, Union
 
 import torch
 
-from ..codecs import lattice
+from ..codecs import bitpack, lattice
 from ..codecs._layout import chunk_elems, chunk_ranges
 from ..codecs._rng import SeededGenerator
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
-from .moniqua_guard import GuardRecord, lattice_fingerprint, low31, resync_parts
-from .moniqua_parts import PartLayout, tensor_inf
+from .moniqua_guard import LOW31, GuardRecord, resync_parts, run_fingerprints
+from .moniqua_parts import Chunk, PartLayout, tensor_inf
 from .moniqua_single import IDENTITY_BITS, ThetaBoundError, default_gamma
 from .moniqua_theta import TensorTheta, mixing_time
 from .registry import register
@@ -164,7 +170,7 @@ class ModuloGossip:
             mu = group["momentum"]
             buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
         step = grad if buf is None else torch.add(grad, buf, alpha=mu)
-        return tensor_inf(step, self.layout.lengths) * lr
+        return tensor_inf(step, self.layout.sizes) * lr
 
     def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
         """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""
@@ -174,82 +180,96 @@ class ModuloGossip:
             rows = self.comm.neighbor_allgather(x, step=step)
             _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
             return False
-        statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.lengths))
+        statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.sizes))
         if not self.rule.ready():
             self.rule.observe(self._agree(statistic))
         theta = self.rule.theta()
         self.last_theta = theta
-        scales = ((1 << self.config.bits) * (1.0 - 2.0 * self.delta) / (2.0 * theta)).tolist()
-        parts = [self.layout.part(t, step) for t in range(self.layout.count)]
-        coords = torch.cat([torch.arange(a, b, dtype=torch.int64, device=x.device) for a, b in parts])
-        u = lattice.dither(lattice.stream_key(self.config.seed, step), coords) if self.dithered else None
-        sent = (parts, u, lattice.coordinate_hashes(coords))
-        del coords
-        increment, own_fp = self._encode(x, sent, scales, math.fsum(topo.neighbor_weights(rank)))
-        self.layout.header(self.send).copy_(torch.tensor(own_fp, dtype=torch.int32))
+        scales = (1 << self.config.bits) * (1.0 - 2.0 * self.delta) / (2.0 * theta)
+        frames, increment = self._encode(x, step, scales, math.fsum(topo.neighbor_weights(rank)))
         rows = self.comm.neighbor_allgather(self.send, step=step)
-        local = self._decode(x, step, sent, scales, rows, increment)
+        local = self._decode(step, frames, scales, rows, increment)
         agreed = self._agree(torch.cat([local, statistic]))
         wrapped, count = agreed[:self.layout.count] > 0, self.layout.count
         self.rule.observe(agreed[count:])
-        if wrapped.any() and self.config.guard == "raise":
+        flags = wrapped.tolist()
+        if any(flags) and self.config.guard == "raise":
             raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
-        at = 0
-        for tensor in range(count):
-            start, stop = self.layout.part(tensor, step)
-            if not wrapped[tensor]:
-                x[start:stop].add_(increment[at:at + stop - start], alpha=self.gamma)
-            at += stop - start
-        if wrapped.any():
+        for flag, (start, stop), position in zip(flags, self.layout.parts_at(step), self.layout.positions):
+            if not flag:
+                x[start:stop].add_(increment[position:position + stop - start], alpha=self.gamma)
+        if any(flags):
             self.record.add(wrapped)
             if self.config.guard == "resync":
-                resync_parts(self.comm, x, step, [part for part, w in zip(parts, wrapped.tolist()) if w])
+                resync_parts(self.comm, x, step, [self.layout.part(t, step) for t, w in enumerate(flags) if w])
                 self.record.resyncs += 1
         self.rule.guard(wrapped)
-        return bool(wrapped.any())
+        return any(flags)
 
     # ------------------------------------------------------------------ the two passes
-    def _encode(self, x, sent, scales, wsum) -> tuple[torch.Tensor, list[int]]:
-        """Pack this rank's codes into ``send``; return ``-wsum x̂_i`` on the parts sent and the fingerprints.
+    def _encode(self, x, step, scales, wsum) -> tuple[list[_Frame], torch.Tensor]:
+        """Pack this rank's codes and fingerprints into ``send``; return the frames and ``-wsum x̂_i``.
 
-        ``sent``: the parts ``[(start, stop)]`` per tensor, the dither and the fingerprint weights of their
-        coordinates (concatenated in tensor order).
+        Works chunk by chunk on the message body's code positions (:meth:`PartLayout.plan`), every tensor
+        of a chunk in one pass: ``x`` gathered part by part (0 in the gaps), ``t = x s + u`` with s and
+        u per coordinate, ``L = round(t)`` (stochastic: ``floor(x s + xi)``). The increment is indexed by
+        code position.
         """
-        bits, (parts, u_all, hashes) = self.config.bits, sent
-        increment = torch.empty(hashes.numel(), dtype=torch.float32, device=x.device)
-        fingerprints, at = [], 0
-        for tensor, (start, stop) in enumerate(parts):
-            fp, s = 0, scales[tensor]
-            for lo, hi in chunk_ranges(stop - start, self.chunk):
-                u = None if u_all is None else u_all[at + lo:at + hi]
-                noise = None if self.noise is None else self.noise.uniform_(torch.empty_like(x[:hi - lo]))
-                packed, L = lattice.lattice_encode(x[start + lo:start + hi], s, bits, u, noise)
-                self.layout.slot(self.send, tensor, hi)[lo * bits // 8:].copy_(packed)
-                fp += lattice_fingerprint(L, hashes[at + lo:at + hi])
-                torch.mul(lattice.lattice_value(L, s, u), -wsum, out=increment[at + lo:at + hi])
-            fingerprints.append(low31(fp))
-            at += stop - start
-        return increment, fingerprints
+        bits, dev = self.config.bits, x.device
+        scale, inverse = _per_run(scales, dev), _per_run(1.0 / scales, dev)
+        key = lattice.stream_key(self.config.seed, step) if self.dithered else None
+        body = self.send[self.layout.header_bytes:]
+        increment = torch.empty(self.layout.codes, dtype=torch.float32, device=dev)
+        noise = self._noise(step, dev) if self.noise is not None else None
+        frames, own = [], torch.zeros(self.layout.count + 1, dtype=torch.int64, device=dev)
+        for chunk in self.layout.plan(step, self.chunk):
+            frame = _Frame(chunk, dev, key)
+            gap = x.new_zeros(max(chunk.lengths))
+            t = torch.cat([gap[:n] if a is None else x[a:a + n] for n, a in zip(chunk.lengths, chunk.starts)])
+            t = t.to(torch.float32).mul_(frame.spread(scale))
+            if frame.u is not None:
+                t.add_(frame.u)
+            frame.base = t  # the receivers' t, with their own x: every decode of this rank starts from it
+            L = t.add(noise[chunk.lo:chunk.hi]).floor_() if noise is not None else t.round()
+            points, work = _int64_pair(L)
+            codes = torch.bitwise_and(points, (1 << bits) - 1, out=work).to(torch.uint8)
+            bitpack.pack(codes, bits, out=body[chunk.lo * bits // 8:chunk.hi * bits // 8], check=False)
+            own.index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
+            torch.mul(frame.value(L, frame.spread(inverse)), -wsum, out=increment[chunk.lo:chunk.hi])
+            frames.append(frame)
+        self.layout.header(self.send).copy_(own[:-1].bitwise_and_(LOW31))
+        return frames, increment
 
-    def _decode(self, x, step, sent, scales, rows, increment) -> torch.Tensor:
-        """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
-        bits, (parts, u_all, hashes) = self.config.bits, sent
-        weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
-        headers = [self.layout.header(row.clone()).tolist() for row in rows]
-        mismatched = torch.zeros(self.layout.count, dtype=torch.float32)
-        at = 0
-        for tensor, (start, stop) in enumerate(parts):
-            s, fps = scales[tensor], [0] * len(rows)
+    def _noise(self, step: int, device) -> torch.Tensor:
+        """xi of stochastic rounding at every code position (0 in the gaps), drawn tensor by tensor and chunk by
+        chunk of its part: the generator's stream does not depend on how the message is cut."""
+        noise = torch.zeros(self.layout.codes, dtype=torch.float32, device=device)
+        for tensor, position in enumerate(self.layout.positions):
+            start, stop = self.layout.part(tensor, step)
             for lo, hi in chunk_ranges(stop - start, self.chunk):
-                u = None if u_all is None else u_all[at + lo:at + hi]
-                for k, (w, row) in enumerate(zip(weights, rows)):
-                    packed = self.layout.slot(row, tensor, hi)[lo * bits // 8:]
-                    L = lattice.lattice_decode(packed, x[start + lo:start + hi], s, bits, u)
-                    fps[k] += lattice_fingerprint(L, hashes[at + lo:at + hi])
-                    increment[at + lo:at + hi].add_(lattice.lattice_value(L, s, u), alpha=w)
-            mismatched[tensor] = float(sum(low31(fp) != header[tensor] for fp, header in zip(fps, headers)))
-            at += stop - start
-        return mismatched
+                self.noise.uniform_(noise[position + lo:position + hi])
+        return noise
+
+    def _decode(self, step, frames, scales, rows, increment) -> torch.Tensor:
+        """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
+        bits, levels = self.config.bits, float(1 << self.config.bits)
+        weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
+        body, count = self.layout.header_bytes, self.layout.count
+        fingerprints = torch.zeros(len(rows), count + 1, dtype=torch.int64, device=increment.device)
+        inverse = _per_run(1.0 / scales, increment.device)
+        for frame in frames:
+            lo, hi, spread = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
+            pair = torch.empty(2 * (hi - lo), dtype=torch.int64, device=increment.device)  # one for every row
+            for k, (w, row) in enumerate(zip(weights, rows)):
+                codes = bitpack.unpack(row[body + lo * bits // 8:body + hi * bits // 8], bits, hi - lo)
+                code = codes.to(torch.float32)
+                L = torch.sub(frame.base, code).mul_(1.0 / levels).round_().mul_(levels).add_(code)
+                points, work = _int64_pair(L, pair)
+                fingerprints[k].index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
+                increment[lo:hi].add_(frame.value(L, spread), alpha=w)
+        headers = rows[:, :body].view(torch.int32)
+        mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0)
+        return mismatched.to(torch.float32).cpu()
 
     def _agree(self, values: torch.Tensor) -> torch.Tensor:
         return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
@@ -289,6 +309,45 @@ class ModuloGossip:
             self.rule.load_state_dict(state["rule"])
             if self.noise is not None:
                 self.noise.load_state_dict(state["noise"])
+
+
+class _Frame:
+    """One chunk of a step's message on this rank: its runs on the device, dither, hashes and (after encode) t."""
+
+    def __init__(self, chunk: Chunk, device, key):
+        self.chunk = chunk
+        n = chunk.hi - chunk.lo
+        self.lengths = torch.tensor(chunk.lengths, device=device)
+        self.tensors = torch.tensor(chunk.tensors, device=device)
+        self.ends = torch.tensor(chunk.ends, device=device)
+        shift = torch.tensor(chunk.shifts, device=device).repeat_interleave(self.lengths, output_size=n)
+        coords = torch.arange(chunk.lo, chunk.hi, device=device).add_(shift)
+        self.u = None if key is None else lattice.dither(key, coords)
+        self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
+        self.base: torch.Tensor | None = None
+
+    def spread(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """The float32 value of each run's tensor at each of its positions (``per_tensor`` has T + 1 entries)."""
+        return per_tensor[self.tensors].repeat_interleave(self.lengths, output_size=self.chunk.hi - self.chunk.lo)
+
+    def value(self, L: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """``x̂ = (L - u) / s`` in place on the float32 lattice points ``L`` (``inverse``: 1/s at each position)."""
+        if self.u is not None:
+            L.sub_(self.u)
+        return L.mul_(inverse)
+
+
+def _int64_pair(L: torch.Tensor, pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L`` as int64 and a work buffer of its size, both in ``pair`` (2 |L| int64, allocated if None): one
+    allocation where two fresh ones would each be mapped anew by the C allocator (page faults)."""
+    n = L.numel()
+    pair = torch.empty(2 * n, dtype=torch.int64, device=L.device) if pair is None else pair
+    return pair[:n].copy_(L), pair[n:]
+
+
+def _per_run(per_tensor: torch.Tensor, device) -> torch.Tensor:
+    """float64 values per tensor as float32 on ``device``, with a last entry 1 for the gaps (whose x is 0)."""
+    return torch.cat([per_tensor, per_tensor.new_ones(1)]).to(device=device, dtype=torch.float32)
 
 
 def _gossip(x, rows, self_weight, weights, gamma) -> None:

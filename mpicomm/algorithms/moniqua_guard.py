@@ -4,6 +4,8 @@ A tensor's fingerprint is ``sum_c H_c (L_c mod 2^20)`` over the lattice points L
 pseudo-random 20-bit weights of the flat coordinates): exact int64 arithmetic, so the sender's and a
 receiver's agree bit for bit unless some L_c differs, and a wrap moves L_c by a multiple of 2^b
 (cancelling wraps go unnoticed with probability about 2^-20). The header carries its low 31 bits.
+:func:`run_fingerprints` computes it for every run of a chunk at once (one running sum), on the
+device, so no value is read by the host.
 
 The record counts the wrapped parts per tensor and per tensor group (the first two levels of the
 parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and for one summary that rank 0
@@ -19,21 +21,24 @@ import torch
 
 from .dpsgd import gossip_average
 
-__all__ = ["GuardRecord", "lattice_fingerprint", "low31", "resync_parts"]
+__all__ = ["LOW31", "GuardRecord", "resync_parts", "run_fingerprints"]
 
 log = logging.getLogger("mpicomm.algorithms.moniqua")
 
 _HASH_MASK = (1 << 20) - 1
+LOW31 = 0x7FFFFFFF
+"""The header field is a fingerprint's low 31 bits (a non-negative int32)."""
 
 
-def lattice_fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
-    """``sum_c H_c (L_c mod 2^20)`` (exact int64; ``hashes`` the coordinates' odd 20-bit H_c)."""
-    return int(L.bitwise_and(_HASH_MASK).mul_(hashes).sum())
+def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    """``sum_c H_c (L_c mod 2^20)`` over each run of coordinates ending (inclusive) at ``ends``, int64.
 
-
-def low31(value: int) -> int:
-    """The low 31 bits of ``value`` (a non-negative int32 header field)."""
-    return value & 0x7FFFFFFF
+    ``L``: the int64 lattice points, overwritten; ``hashes``: the coordinates' odd 20-bit H_c; runs are
+    consecutive and cover ``L`` from its start; ``running``: an int64 buffer of L's size for the running
+    sum. Exact: a running int64 sum (below 2^40 per term), read at the run ends and differenced.
+    """
+    sums = torch.cumsum(L.bitwise_and_(_HASH_MASK).mul_(hashes), 0, out=running)[ends]
+    return torch.diff(sums, prepend=sums.new_zeros(1))
 
 
 def resync_parts(comm, x: torch.Tensor, step: int, parts: list[tuple[int, int]]) -> None:

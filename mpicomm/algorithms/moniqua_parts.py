@@ -5,18 +5,50 @@ With ``parts = P`` tensor l sends, at step k, its part p = (k + l) mod P: the co
 size). Its packed codes take a fixed slot of ``ceil(ceil(n_l / P) b / 8)`` bytes, so the message has
 the same size every step: ``4 T`` header bytes (one int32 fingerprint per tensor) plus the slots,
 rounded up to a multiple of 4 bytes.
+
+The body after the header holds ``Q = 8 (message bytes - 4 T) / b`` code positions (b in 1, 2, 4, 8
+divides 8, so every slot starts on a code position). :meth:`PartLayout.plan` describes them at a step
+as runs: a tensor's part, or a gap (the unused end of a slot, the final rounding), cut into chunks of
+at most ``chunk`` positions. The algorithm encodes and decodes a whole chunk in one pass of tensor
+operations, whatever the number of tensors: a gap is encoded as the value 0, whose code is 0 and
+whose lattice point is 0 under any dither in [-1/2, 1/2), so it changes no fingerprint.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from ..codecs import bitpack
 from ..codecs.lattice import packed_bytes
 
-__all__ = ["FINGERPRINT_BYTES", "PartLayout", "tensor_inf"]
+__all__ = ["FINGERPRINT_BYTES", "Chunk", "PartLayout", "tensor_inf"]
 
 FINGERPRINT_BYTES = 4
 """Header bytes per tensor (an int32 fingerprint of its part)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Code positions ``[lo, hi)`` of the message body at one step, as runs in position order.
+
+    ``lengths[r]``: positions of run r (all > 0). ``tensors[r]``: its tensor, or T (the tensor count)
+    for a gap. ``starts[r]``: the flat model coordinate of its first position (None for a gap).
+    ``shifts[r]``: coordinate minus position on run r (0 for a gap). ``ends[r]``: its last position
+    relative to ``lo``.
+    """
+
+    lo: int
+    hi: int
+    lengths: tuple[int, ...]
+    tensors: tuple[int, ...]
+    starts: tuple
+    shifts: tuple[int, ...]
+    ends: tuple[int, ...]
 
 
 class PartLayout:
@@ -33,23 +65,76 @@ class PartLayout:
             self.slots.append(at)
             at += packed_bytes(-(-n // parts), bits)
         self.message_bytes = -(-at // FINGERPRINT_BYTES) * FINGERPRINT_BYTES  # rows stay int32-aligned
-        self.lengths = torch.tensor(self.sizes, dtype=torch.int64)
+        self.codes = 8 * (self.message_bytes - self.header_bytes) // bits
+        self.positions = [8 * (slot - self.header_bytes) // bits for slot in self.slots]
+        self._plans: dict[tuple[int, int], list[Chunk]] = {}
+        self._parts: dict[int, list[tuple[int, int]]] = {}
 
     def part(self, tensor: int, step: int) -> tuple[int, int]:
         """Flat ``(start, stop)`` of the part tensor ``tensor`` sends at ``step``."""
         p, n, o = (step + tensor) % self.parts, self.sizes[tensor], self.offsets[tensor]
         return o + p * n // self.parts, o + (p + 1) * n // self.parts
 
-    def slot(self, message: torch.Tensor, tensor: int, count: int) -> torch.Tensor:
-        """The bytes of ``message`` holding the first ``count`` codes of tensor ``tensor``'s part."""
-        at = self.slots[tensor]
-        return message[at:at + packed_bytes(count, self.bits)]
-
     def header(self, message: torch.Tensor) -> torch.Tensor:
         """The int32 fingerprints at the head of ``message`` (a view)."""
         return message[:self.header_bytes].view(torch.int32)
 
+    def parts_at(self, step: int) -> list[tuple[int, int]]:
+        """:meth:`part` of every tensor at ``step`` (cached per phase)."""
+        key = step % self.parts
+        if key not in self._parts:
+            self._parts[key] = [self.part(tensor, step) for tensor in range(self.count)]
+        return self._parts[key]
 
-def tensor_inf(flat: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``||t_l||_inf`` of every tensor t_l of the flat vector ``flat`` (sizes ``lengths``), float64."""
-    return torch.segment_reduce(flat.detach().abs(), "max", lengths=lengths.to(flat.device), unsafe=True).double().cpu()
+    def plan(self, step: int, chunk: int) -> list[Chunk]:
+        """The body's ``Q`` code positions at ``step`` in chunks of ``chunk`` (a multiple of 8); cached per phase."""
+        key = (step % self.parts, chunk)
+        if key not in self._plans:
+            self._plans[key] = self._cut(self._runs(step), chunk)
+        return self._plans[key]
+
+    def _runs(self, step: int) -> list[tuple[int, int, int, int | None]]:
+        """``(position, length, tensor or T, coordinate or None)`` of every non-empty run, in position order."""
+        runs, ends = [], self.positions[1:] + [self.codes]
+        for tensor, (position, end, (start, stop)) in enumerate(zip(self.positions, ends, self.parts_at(step))):
+            runs.append((position, stop - start, tensor, start))
+            runs.append((position + stop - start, end - position - (stop - start), self.count, None))
+        return [run for run in runs if run[1] > 0]
+
+    def _cut(self, runs, chunk: int) -> list[Chunk]:
+        out = []
+        for lo in range(0, self.codes, chunk):
+            hi = min(self.codes, lo + chunk)
+            pieces = []
+            for position, length, tensor, start in runs:
+                a, b = max(position, lo), min(position + length, hi)
+                if a < b:
+                    pieces.append((b - a, tensor, None if start is None else start + a - position,
+                                   0 if start is None else start - position))
+            lengths = [p[0] for p in pieces]
+            ends = [end - 1 for end in itertools.accumulate(lengths)]
+            out.append(Chunk(lo, hi, tuple(lengths), tuple(p[1] for p in pieces), tuple(p[2] for p in pieces),
+                             tuple(p[3] for p in pieces), tuple(ends)))
+        return out
+
+
+def tensor_inf(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``||t_l||_inf`` of every tensor t_l of the flat vector ``flat`` (sizes ``sizes``), float64 on the host.
+
+    On a CPU (numpy enabled, see :func:`~mpicomm.codecs.bitpack.numpy_enabled`): ``max(max t_l, -min t_l)``
+    by one ``reduceat`` each, no temporary of the model's size (7x faster than one ``amax`` per tensor,
+    which ``segment_reduce`` and ``vector_norm(ord=inf)`` are slower still). Elsewhere one ``abs`` pass and
+    one ``amax`` per tensor. An empty tensor gives -inf; NaN propagates.
+    """
+    if bitpack.numpy_enabled(flat.device):
+        values = flat.detach().numpy()
+        starts = np.cumsum([0, *sizes[:-1]])
+        full = np.asarray(sizes) > 0
+        out = np.full(len(sizes), -np.inf)
+        if full.any():
+            top = np.maximum.reduceat(values, starts[full])
+            out[full] = np.maximum(top, -np.minimum.reduceat(values, starts[full])) + 0.0  # -0.0 -> 0.0
+        return torch.from_numpy(out)
+    magnitude = flat.detach().abs()
+    return torch.stack([t.amax() if t.numel() else t.new_full((), -math.inf)
+                        for t in magnitude.split(sizes)]).double().cpu()

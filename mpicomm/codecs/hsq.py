@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import bitpack
-from ._layout import check_numel, chunk_elems, prepare_out, read_field, write_field
+from ._layout import check_numel, chunk_elems, prepare_out
 from ._rng import SeededGenerator, check_seed
 from .base import Codec, check_flat_float, check_payload
 from .uniform import UniformCodec
@@ -177,10 +177,22 @@ def _argmax_rows(a: torch.Tensor) -> torch.Tensor:
     return a.argmax(dim=1)
 
 
-def greedy_select(chunks: torch.Tensor, cb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy HSQ of each row of ``chunks``: (k* = argmax_k |<c_k, g>|, u = <c_k*, g>)."""
-    p = chunks @ cb.T
-    idx = _argmax_rows(p.abs())
+def greedy_select(chunks: torch.Tensor, cb: torch.Tensor,
+                  scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy HSQ of each row of ``chunks``: (k* = argmax_k |<c_k, g>|, u = <c_k*, g>).
+
+    ``scratch``: optional float32 buffer of at least 2 x rows x K elements for the products and their
+    magnitudes. Reusing it avoids fresh megabyte-sized temporaries, which the C allocator maps anew
+    on every call (page faults doubled the encode time on a CPU).
+    """
+    if scratch is None:
+        p = chunks @ cb.T
+        magnitude = p.abs()
+    else:
+        n, k = chunks.shape[0], cb.shape[0]
+        p = torch.mm(chunks, cb.T, out=scratch[:n * k].view(n, k))
+        magnitude = torch.abs(p, out=scratch[n * k:2 * n * k].view(n, k))
+    idx = _argmax_rows(magnitude)
     return idx, p.gather(1, idx[:, None]).squeeze(1)
 
 
@@ -234,6 +246,8 @@ class HSQCodec(Codec):
         self._cb_cpu = _codebook_cpu(kind, d, self.k, self.codebook_seed)
         self._pt_cpu = _coefficient_map(kind, d, self.k, self.codebook_seed) if mode == "unbiased" else None
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._work: dict[torch.device, torch.Tensor] = {}  # greedy's products and magnitudes, reused
+        self._raw: dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._norms = UniformCodec(n_bit, rounding="stochastic", seed=check_seed(seed))
         self._sampler = SeededGenerator(seed ^ _SAMPLER_SALT)
         self._plan = []  # per layer: (offset, D, N chunks or 0 for raw, payload offset)
@@ -284,10 +298,11 @@ class HSQCodec(Codec):
         idx = torch.empty(n, dtype=torch.int64, device=chunks.device)
         u = torch.empty(n, dtype=torch.float32, device=chunks.device)
         rows = max(1, chunk_elems(chunks.device) // self.k)
+        scratch = self._scratch(chunks.device, 2 * min(rows, n) * self.k) if self.mode == "greedy" else None
         for start in range(0, n, rows):
             block = chunks[start : start + rows]
             if self.mode == "greedy":
-                i, v = greedy_select(block, cb)
+                i, v = greedy_select(block, cb, scratch)
             else:
                 a = block @ pt
                 w = a.abs()
@@ -296,6 +311,26 @@ class HSQCodec(Codec):
                 v = torch.sign(a.gather(1, i[:, None]).squeeze(1)).mul_(w.sum(dim=1))
             idx[start : start + rows], u[start : start + rows] = i, v
         return idx, u
+
+    def _raw_index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(payload byte of every raw float32 byte, flat coordinate of every raw value) on ``device``; None if no raw
+        layer. Built once per device: 40 bytes per raw parameter (raw layers are the small ones)."""
+        if device not in self._raw:
+            spans = [(offset, size, pos) for offset, size, n, pos in self._plan if n == 0 and size]
+            if not spans:
+                self._raw[device] = None
+            else:
+                coords = torch.cat([torch.arange(o, o + size) for o, size, _ in spans])
+                octets = torch.cat([torch.arange(p, p + 4 * size) for _, size, p in spans])
+                self._raw[device] = (octets.to(device), coords.to(device))
+        return self._raw[device]
+
+    def _scratch(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A float32 work buffer of at least ``numel`` elements on ``device``, kept between calls (grown when short)."""
+        buf = self._work.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = self._work[device] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf
 
     def _pack_indices(self, idx: torch.Tensor, out: torch.Tensor) -> None:
         b, n = self.bits, idx.numel()
@@ -310,9 +345,11 @@ class HSQCodec(Codec):
         check_flat_float(x, "HSQCodec.encode")
         x = x.detach()
         payload = torch.empty(self.payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+        raw = self._raw_index(x.device)
+        if raw is not None:  # every raw layer's float32 bytes in one scatter
+            payload.index_copy_(0, raw[0], x.index_select(0, raw[1]).float().view(torch.uint8))
         for offset, size, n, pos in self._plan:
             if n == 0:
-                write_field(payload, pos, x[offset : offset + size].float())
                 continue
             idx, u = self._select(self._chunks(x, offset, size, n))
             nb = self._norms.payload_bytes(n)
@@ -334,20 +371,49 @@ class HSQCodec(Codec):
         dev = payload.device
         out = prepare_out(out, numel, dev, "HSQCodec.decode")
         cb, _ = self._on(dev)
+        raw = self._raw_index(dev)
+        if raw is not None:  # every raw layer's float32 values in one gather
+            out.index_copy_(0, raw[1], payload.index_select(0, raw[0]).view(torch.float32))
+        norms = self._decode_norms(payload)
+        at = 0
         for offset, size, n, pos in self._plan:
             dst = out[offset : offset + size]
             if n == 0:
-                dst.copy_(read_field(payload, pos, size, torch.float32))
                 continue
             nb = self._norms.payload_bytes(n)
-            u = self._norms.decode(payload[pos : pos + nb], n)
             idx = self._unpack_indices(payload[pos + nb : pos + self._layer_bytes(size, n)], n)
+            u = norms[at : at + n]
             full = size // self.d  # whole chunks are gathered straight into out, the padded one apart
             rows = dst[: full * self.d].view(full, self.d)
             torch.index_select(cb, 0, idx[:full], out=rows).mul_(u[:full, None])
             if full < n:
                 dst[full * self.d :].copy_(cb[idx[full]].mul(u[full])[: size - full * self.d])
+            at += n
         return out
+
+    def _decode_norms(self, payload: torch.Tensor) -> torch.Tensor:
+        """Every compressed layer's quantized norms, concatenated: ``lo + k (hi - lo) / levels`` per layer.
+
+        The same float32 operations as ``UniformCodec.decode`` (the step in float64 rounded to float32,
+        then ``k * step + lo``), applied to all layers at once: one gather of the [lo, hi] headers and one
+        affine pass instead of a decoder call per layer.
+        """
+        layers = [(n, pos) for _, _, n, pos in self._plan if n]
+        if not layers:
+            return torch.empty(0, dtype=torch.float32, device=payload.device)
+        bits, levels = self.n_bit, (1 << self.n_bit) - 1
+        counts = torch.tensor([n for n, _ in layers], device=payload.device)
+        codes = torch.empty(int(sum(n for n, _ in layers)), dtype=torch.uint8, device=payload.device)
+        heads, at = [], 0
+        for n, pos in layers:
+            heads.append(payload[pos : pos + 8])
+            bitpack.unpack(payload[pos + 8 : pos + 8 + bitpack.packed_bytes(n, bits)], bits, n,
+                           out=codes[at : at + n])
+            at += n
+        lo, hi = torch.stack(heads).view(torch.float32).double().unbind(1)  # headers sit at byte offsets
+        step, lo = ((hi - lo) / levels).float(), lo.float()
+        values = codes.to(torch.float32)
+        return values.mul_(step.repeat_interleave(counts)).add_(lo.repeat_interleave(counts))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
