@@ -121,6 +121,21 @@ def test_overlap_is_bit_identical_and_launches_during_backward(comm):
     run_all(comm, body)
 
 
+def test_buckets_are_cut_like_ddp_a_small_first_one_then_large_ones(comm):
+    """The first bucket (the last layers) closes at first_bucket_numel, the others at bucket_numel."""
+    def body():
+        c = communicator(comm)
+        # 6-8-3 MLP in launch order: W2,b2 (27) reach 5; then b1 (8) + W1 (48) together reach 40
+        algo = make_algorithm("allreduce_sgd", make_model(), c, overlap=True, first_bucket_numel=5, bucket_numel=40)
+        assert algo.buckets.ranges == [[56, 83], [0, 56]] and algo.buckets.size == [2, 2]
+        default = make_algorithm("allreduce_sgd", make_model(), communicator(comm), overlap=True)
+        assert (default.config.first_bucket_numel, default.config.bucket_numel) == (2**18, 25 * 2**18)
+        with pytest.raises(ValueError, match=r"first_bucket_numel must be in \[1, inf\)"):
+            make_algorithm("allreduce_sgd", make_model(), c, first_bucket_numel=0)
+
+    run_all(comm, body)
+
+
 def test_overlap_refuses_a_second_backward_and_keeps_the_first(comm):
     def body():
         kwargs = {"lr": 0.1, "overlap": True, "bucket_numel": 5}

@@ -16,8 +16,10 @@ Every rank applies the same update to the same x, so the parameters stay identic
 Traffic per step: one allreduce of 4d bytes (booked as 2(n-1)/n * 4d sent per rank).
 
 ``overlap=True`` starts the allreduce of gradient *buckets* while backward is still running: the
-flat gradient is cut into contiguous buckets of whole parameters of at least ``bucket_numel``
-elements, in reverse layer order (the order backward produces them); a
+flat gradient is cut into contiguous buckets of whole parameters, in reverse layer order (the order
+backward produces them), the first of at least ``first_bucket_numel`` elements and the others of at
+least ``bucket_numel`` (as DDP: a 1 MiB first bucket starts communication as soon as the last layers
+have their gradients, 25 MiB after it keeps the number of collectives small); a
 ``register_post_accumulate_grad_hook`` on each parameter counts down its bucket and, when a bucket is
 complete, ``iallreduce``-s its slice. Buckets are launched strictly in bucket order (a complete bucket
 waits for the ones before it), so every rank issues the same collectives in the same order even if
@@ -50,24 +52,29 @@ __all__ = ["AllReduceSGD", "AllReduceSGDConfig", "GradBuckets"]
 
 @dataclass(frozen=True)
 class AllReduceSGDConfig(AlgorithmConfig):
-    """overlap: allreduce gradient buckets during backward. bucket_numel: minimum elements per bucket."""
+    """overlap: allreduce gradient buckets during backward. bucket_numel: minimum elements per bucket
+    (25 MiB of fp32, as DDP). first_bucket_numel: minimum elements of the first bucket launched, the last
+    layers' (1 MiB of fp32, as DDP; the smaller of the two applies)."""
 
     overlap: bool = False
-    bucket_numel: int = 1 << 20
+    bucket_numel: int = 25 * 2**20 // 4
+    first_bucket_numel: int = 2**20 // 4
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
-        if isinstance(self.bucket_numel, bool) or not isinstance(self.bucket_numel, int):
-            raise TypeError(f"bucket_numel must be an int, got {type(self.bucket_numel).__name__}")
-        check_range("bucket_numel", self.bucket_numel, lo=1)
+        for name in ("bucket_numel", "first_bucket_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            check_range(name, value, lo=1)
 
 
 class GradBuckets:
     """Contiguous buckets of the flat gradient, each ``iallreduce``-d once all its parameters have gradients."""
 
-    def __init__(self, algo: Algorithm, bucket_numel: int):
+    def __init__(self, algo: Algorithm, bucket_numel: int, first_bucket_numel: int):
         self.algo = algo
         self.ranges: list[list[int]] = []  # [lo, hi) of each bucket, in launch order
         self.size: list[int] = []  # parameters per bucket
@@ -81,7 +88,8 @@ class GradBuckets:
             self.ranges[-1][0] = layer.offset
             self.owner[index] = len(self.ranges) - 1
             self.size[-1] += 1
-            full = self.ranges[-1][1] - self.ranges[-1][0] >= bucket_numel
+            least = min(bucket_numel, first_bucket_numel) if len(self.ranges) == 1 else bucket_numel
+            full = self.ranges[-1][1] - self.ranges[-1][0] >= least
         self.handles: list = []
         self.waiting = list(self.size)
         self.ready = [False] * len(algo.flat.params)
@@ -146,7 +154,8 @@ class AllReduceSGD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
-        self.buckets = GradBuckets(self, self.config.bucket_numel) if self.config.overlap else None
+        self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel)
+                        if self.config.overlap else None)
         self._first_launch: dict | None = None
 
     def step(self) -> None:
