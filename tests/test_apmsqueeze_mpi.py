@@ -270,6 +270,22 @@ def test_switch_allocates_no_more_than_a_steady_compression_step(comm):
     run_all(comm, body)
 
 
+def test_compression_phase_keeps_two_model_copies_and_two_chunks_beyond_adam(comm):
+    """Beyond Adam's m and v: the padded u_i and e_i, the server sum and e'_k; vhat lives in v's buffer."""
+    def body():
+        algo = make_algorithm("apmsqueeze", _wide_model(), _comm(comm), lr=0.01, warmup_steps=1)
+        for _ in range(3):  # one warm-up step, two compression steps
+            _bytes_allocated_by_step(algo)
+        own = [v for v in vars(algo).values() if torch.is_tensor(v) and v.is_floating_point()
+               and v.data_ptr() != algo.flat.data.data_ptr()]  # not the Parameter over the flat buffer
+        floats = [v for v in vars(algo.onebit).values() if torch.is_tensor(v) and v.is_floating_point()]
+        assert not [v for v in own if v.numel() >= algo.flat.numel]
+        assert sum(v.numel() for v in floats) == 2 * algo.padded + 2 * algo.chunk, [v.numel() for v in floats]
+        assert algo.frozen_denominator.data_ptr() == algo.adam_state()["exp_avg_sq"].data_ptr()
+
+    run_all(comm, body)
+
+
 @pytest.mark.parametrize("option, message", [
     ({"warmup_steps": 10, "total_steps": 10}, r"warm-up \(10 steps\) must be shorter than total_steps \(10\)"),
     ({"warmup_fraction": 0.2}, "needs its warm-up length"),

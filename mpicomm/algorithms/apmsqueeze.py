@@ -30,7 +30,9 @@ accumulate there; it never reaches x).
 Bytes per compression step and rank, P = 4 + L/8 (one float32 scale + L sign bits per chunk):
 alltoall contributes n P (sends (n - 1) P), allgather contributes P (sends (n - 1) P); an fp32
 allreduce sends 2 (n - 1)/n * 4 d, i.e. 4 d / (n P) ~ 32x more. Every buffer of the compression
-phase is allocated at construction, so the switch adds no allocation.
+phase is allocated at construction, so the switch adds no allocation, and vhat is computed in place
+in v's buffer (v is never read after the switch): beyond Adam, the method keeps the padded u_i and e_i
+and two chunk-sized server buffers, 2 + 2/n model copies.
 
 ``optimizer=`` is refused (``ValueError``): the Adam of both phases is the method; its lr, beta1,
 beta2, eps and weight_decay options are what it accepts. ``clip_grad_norm_`` is refused too.
@@ -125,7 +127,6 @@ class APMSqueeze(AllReduceAdam):
         self.warmup = self.config.warmup
         self.deepspeed = self.config.variant == "deepspeed"
         self.onebit = OneBitAverage(self.comm, self.flat.numel, self.flat.data.device, one_worker_scale=self.deepspeed)
-        self._denom = torch.zeros(self.flat.numel, dtype=torch.float32, device=self.flat.data.device)
         self._frozen = False
         self._last_ops = dict.fromkeys(_OPS, 0)
 
@@ -164,17 +165,25 @@ class APMSqueeze(AllReduceAdam):
         state["exp_avg_sq"].mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
         if cfg.weight_decay:
             x.mul_(1 - self.lr * cfg.weight_decay)
-        torch.sqrt(state["exp_avg_sq"], out=self._denom).add_(cfg.eps)
-        x.addcdiv_(state["exp_avg"], self._denom, value=-self.lr)
+        x.addcdiv_(state["exp_avg"], torch.sqrt(state["exp_avg_sq"]).add_(cfg.eps), value=-self.lr)
+
+    @property
+    def frozen_denominator(self) -> torch.Tensor:
+        """vhat of the compression phase: Adam's ``exp_avg_sq`` buffer, turned into vhat in place at the switch."""
+        return self.adam_state()["exp_avg_sq"]
 
     def _freeze(self) -> None:
-        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps (deepspeed: sqrt(v) + eps), once, into the denominator."""
+        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps (deepspeed: sqrt(v) + eps), once, in v's own buffer.
+
+        v is never read again after the switch, so it becomes vhat in place instead of a model-sized copy
+        (a checkpoint of the compression phase holds vhat there, and ``frozen`` in its extra state says so).
+        """
         state = self.adam_state()
         t_w = float(state["step"])
-        torch.sqrt(state["exp_avg_sq"], out=self._denom)
+        denom = state["exp_avg_sq"].sqrt_()
         if not self.deepspeed:
-            self._denom.div_((1 - self.config.beta2**t_w) ** 0.5)
-        self._denom.add_(self.config.eps)
+            denom.div_((1 - self.config.beta2**t_w) ** 0.5)
+        denom.add_(self.config.eps)
         self._frozen = True
 
     def _compressed_step(self, grad: torch.Tensor) -> None:
@@ -189,7 +198,7 @@ class APMSqueeze(AllReduceAdam):
         if cfg.weight_decay:
             x.mul_(1 - self.lr * cfg.weight_decay)
         correction = 1.0 if self.deepspeed else 1 - cfg.beta1 ** (self.step_count + 1)
-        x.addcdiv_(m, self._denom, value=-self.lr / correction)
+        x.addcdiv_(m, self.frozen_denominator, value=-self.lr / correction)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step), ``warmup_steps`` and bytes sent per collective.
@@ -206,7 +215,7 @@ class APMSqueeze(AllReduceAdam):
 
     def _extra_state(self):
         out = super()._extra_state()
-        out.update(phase=self.phase, **self.onebit.state_dict())
+        out.update(phase=self.phase, frozen=self._frozen, **self.onebit.state_dict())
         return out
 
     def _load_extra_state(self, extra):
@@ -215,4 +224,4 @@ class APMSqueeze(AllReduceAdam):
                              f"but the warm-up of {self.warmup} steps puts it in {self.phase!r}")
         self.onebit.load_state_dict(extra)
         super()._load_extra_state(extra)
-        self._frozen = False
+        self._frozen = bool(extra.get("frozen", False))  # older checkpoints kept v and a separate vhat

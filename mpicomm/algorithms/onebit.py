@@ -17,8 +17,9 @@ each chunk with its own scale; ``True`` (DeepSpeed's compressed allreduce): one 
 payload (DeepSpeed allgathers it separately), so the bytes are the same.
 
 Bytes per call and rank, P = 4 + L/8: the alltoall contributes n P (sends (n - 1) P), the allgather
-P (sends (n - 1) P). Every buffer (2 D + 3 L floats, (3 n + 1) P bytes, plus one D-element payload
-for one_worker_scale) is allocated at construction; the codec's own per-call temporaries are the same
+P (sends (n - 1) P). Every buffer (2 D + 2 L floats: u, e_i, the server sum and e'_k, with u doubling
+as the server's decode scratch; (3 n + 1) P bytes, plus one D-element payload for one_worker_scale) is
+allocated at construction; the codec's own per-call temporaries are the same
 in every call.
 """
 
@@ -48,7 +49,6 @@ class OneBitAverage:
         self.server_error = torch.zeros(self.chunk, **floats)
         self._u = torch.zeros(self.padded, **floats)
         self._server = torch.zeros(self.chunk, **floats)
-        self._scratch = torch.zeros(self.chunk, **floats)
         self._send = torch.zeros(n, payload, **octets)
         self._recv = torch.zeros(n, payload, **octets)
         self._server_payload = torch.zeros(payload, **octets)
@@ -86,8 +86,8 @@ class OneBitAverage:
 
         received = self.comm.alltoall(self._send, out=self._recv)
         server = self._server.zero_()
-        for j in range(n):
-            server.add_(codec.decode(received[j], L, out=self._scratch))
+        for j in range(n):  # u_i + e_i is encoded and e_i updated: u's first chunk is free scratch until the allgather
+            server.add_(codec.decode(received[j], L, out=u[:L]))
         server.div_(n)
         server[self._real:].zero_()
         server.add_(self.server_error)                          # s_k = average + e'_k
