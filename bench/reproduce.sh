@@ -17,7 +17,7 @@ fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
 all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling moniqua-theta peers peers-apps
-     step-overhead)
+     step-overhead memory overlap)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -35,6 +35,8 @@ for name in "${chosen[@]}"; do
     peers) mpiexec -n 4 python bench/peers.py ;;
     peers-apps) python bench/peers_apps.py ;;
     step-overhead) mpiexec -n 4 python bench/step_overhead.py ;;
+    memory) python bench/memory.py ;;
+    overlap) python bench/overlap.py ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
 done
