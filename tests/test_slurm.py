@@ -62,8 +62,24 @@ def _job_field(job_id: int, field: str) -> str:
     return match.group(1) if match else ""
 
 
-def _diagnose(out_dir: str, extra: str = "") -> str:
+def _daemon_log_lines(job_id: int) -> str:
+    """The lines of slurmctld's and slurmd's logs (paths from SLURM_CONF) that mention job ``job_id``."""
+    with open(os.environ["SLURM_CONF"]) as f:
+        paths = re.findall(r"^Slurm(?:ctld|d)LogFile=(\S+)", f.read(), re.MULTILINE)
+    mention = re.compile(rf"(JobId|job_id|StepId|job)[= ]?{job_id}\b")
+    lines = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                lines += [f"{os.path.basename(path)}: {line.rstrip()}" for line in f if mention.search(line)]
+    return "\n".join(lines[-60:])
+
+
+def _diagnose(out_dir: str, extra: str = "", job_id: int | None = None) -> str:
     logs = [open(os.path.join(out_dir, f)).read()[-3000:] for f in os.listdir(out_dir) if f.startswith("job-")]
+    if job_id is not None:
+        shown = subprocess.run(["scontrol", "show", "-o", "job", str(job_id)], capture_output=True, text=True)
+        logs += [f"scontrol show job {job_id}: {shown.stdout.strip()}", _daemon_log_lines(job_id)]
     return extra + "\n".join(logs)
 
 
@@ -117,10 +133,12 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
             break
         time.sleep(1)
     else:
-        pytest.fail(f"job state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir))
+        pytest.fail(f"job state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir, job_id=job_id))
     records = read_metrics(metrics)
     stopped = [r for r in records if r.get("event") == "stopped"]
-    assert stopped and 3 <= stopped[0]["step"] < STEPS, _diagnose(out_dir)
+    assert stopped and 3 <= stopped[0]["step"] < STEPS, _diagnose(out_dir, job_id=job_id)
+    assert "mpicomm: requeueing job" in "".join(open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
+                                                if f.startswith("job-")), _diagnose(out_dir, job_id=job_id)
     assert int(_job_field(job_id, "Restarts") or 0) >= 1
     assert not os.path.exists(os.path.join(out_dir, "requeue")), "the job script left its requeue marker"
     assert [r["resumed_from"] for r in records if r.get("event") == "start"][-1], "second run did not resume"
