@@ -14,6 +14,8 @@ mkdir -p "$RUN"/{state,spool,log,munge}
 chown munge:munge "$RUN/munge"; chmod 755 "$RUN/munge"        # munged wants a+x on its socket dir
 dd if=/dev/urandom of="$RUN/munge/munge.key" bs=128 count=1 status=none
 chown munge:munge "$RUN/munge/munge.key"; chmod 400 "$RUN/munge/munge.key"
+# cred_expire=30: a requeued job waits out its credential lifetime before it runs again (120 s by default);
+# the preemption test waits for that rather than releasing the job early, which hit the revoked credential.
 cat > "$RUN/slurm.conf" <<CONF
 ClusterName=mpicomm
 SlurmctldHost=localhost(127.0.0.1)
@@ -21,7 +23,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$RUN/munge/munge.socket
+AuthInfo=socket=$RUN/munge/munge.socket,cred_expire=30
 StateSaveLocation=$RUN/state
 SlurmdSpoolDir=$RUN/spool
 SlurmctldPidFile=$RUN/slurmctld.pid
