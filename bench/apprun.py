@@ -26,7 +26,8 @@ RUNS = os.path.join(REPO, "bench", "results", "runs")
 SETTINGS = {"fast": "10gbit,1us", "gbit": "1gbit,100us", "slow": "100mbit,1ms"}
 
 __all__ = ["RESULTS", "RUNS", "SETTINGS", "AppRun", "bench_parser", "describe", "enter_loopback_namespace", "launch",
-           "machine", "markdown_table", "plot_series", "run_grid", "time_to_target", "write_json", "write_outputs"]
+           "machine", "markdown_table", "plot_series", "run_grid", "time_to_target", "write_json", "write_outputs",
+           "write_table"]
 
 
 def enter_loopback_namespace() -> None:
@@ -172,14 +173,19 @@ def run_grid(name: str, app: str, ranks: int, base: list[str], cases: list[tuple
     return results
 
 
-def write_outputs(name: str, title: str, table: str, payload: dict, panels: list[dict]) -> None:
-    """docs/results/<name>.md (title + table), .json (payload + machine), .png (the panels)."""
+def write_table(name: str, title: str, table: str, payload: dict) -> None:
+    """docs/results/<name>.md (title + table) and .json (payload + machine); print both."""
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write(f"{title}\n\n{table}\n")
     write_json(os.path.join(RESULTS, f"{name}.json"), {"title": title, "machine": machine(), **payload})
+    print(f"{title}\n\n{table}\nwrote {RESULTS}/{name}.{{md,json}}")
+
+
+def write_outputs(name: str, title: str, table: str, payload: dict, panels: list[dict]) -> None:
+    """:func:`write_table`, plus docs/results/<name>.png (the panels)."""
+    write_table(name, title, table, payload)
     plot_series(os.path.join(RESULTS, f"{name}.png"), panels, title)
-    print(f"{table}\nwrote {RESULTS}/{name}.{{md,json,png}}")
 
 
 def describe(settings: str) -> str:

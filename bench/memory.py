@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.model, args.steps)
-    from bench.apprun import RESULTS, enter_loopback_namespace, machine, markdown_table, write_json
+    from bench.apprun import enter_loopback_namespace, markdown_table, write_table
 
     enter_loopback_namespace()
     peak, parameters = {}, 0
@@ -100,11 +100,7 @@ def main() -> None:
                             "excess over baseline (model copies)", "target"], rows)
     title = (f"Peak RSS per rank, {args.model} ({parameters:,} parameters, one copy = {copy / 2**20:.1f} MiB), "
              f"{args.ranks} ranks on a ring, {args.steps} steps of 8 images")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "memory.md"), "w") as f:
-        f.write(f"{title}\n\n{table}\n")
-    write_json(os.path.join(RESULTS, "memory.json"), {"title": title, "machine": machine(), "results": payload})
-    print(f"{title}\n\n{table}")
+    write_table("memory", title, table, {"results": payload})
 
 
 if __name__ == "__main__":

@@ -22,15 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.apprun import (  # noqa: E402
-    RESULTS,
-    RUNS,
-    enter_loopback_namespace,
-    launch,
-    machine,  # noqa: E402
-    markdown_table,
-    write_json,
-)
+from bench.apprun import RUNS, enter_loopback_namespace, launch, markdown_table, write_table  # noqa: E402
 
 BASE = ["--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--topology", "ring", "--log-every", "10"]
 DEFAULT = ["--algorithm", "moniqua"]  # bits 4 on a rotating quarter of each tensor, theta per tensor, dither
@@ -105,11 +97,7 @@ def main() -> None:
               "MB sent/rank", "fewer bytes than D-PSGD", "wrapped parts (per seed)"]
     table = markdown_table(header, rows)
     title = f"Moniqua on ResNet, digits 32x32, {args.epochs} epochs, seeds {args.seeds}, lr 0.1 cosine, momentum 0.9"
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "moniqua_resnet.md"), "w") as f:
-        f.write(f"{title}\n\n{table}\n")
-    write_json(os.path.join(RESULTS, "moniqua_resnet.json"), {"title": title, "machine": machine(), "rows": payload})
-    print(f"{title}\n\n{table}")
+    write_table("moniqua_resnet", title, table, {"rows": payload})
 
 
 if __name__ == "__main__":

@@ -24,16 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.apprun import (  # noqa: E402
-    RESULTS,
-    RUNS,
-    SETTINGS,
-    enter_loopback_namespace,
-    launch,
-    machine,
-    markdown_table,
-    write_json,
-)
+from bench.apprun import RUNS, SETTINGS, enter_loopback_namespace, launch, markdown_table, write_table  # noqa: E402
 
 CASES = [
     ("no overlap", ["--no-overlap"]),
@@ -76,11 +67,7 @@ def main() -> None:
                             "ratio per round"], rows)
     title = (f"AllReduce-SGD overlap, {args.ranks} ranks, --net {args.setting} ({SETTINGS[args.setting]}), "
              f"batch 32 per rank, steps 2..{args.steps}, {args.rounds} interleaved rounds")
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "overlap.md"), "w") as f:
-        f.write(f"{title}\n\n{table}\n")
-    write_json(os.path.join(RESULTS, "overlap.json"), {"title": title, "machine": machine(), **payload})
-    print(f"{title}\n\n{table}")
+    write_table("overlap", title, table, payload)
 
 
 if __name__ == "__main__":
