@@ -43,7 +43,7 @@ import torch
 from ..codecs import CODECS, Codec, make_codec
 from .base import AlgorithmConfig
 
-__all__ = ["CodecConfig", "ReplicaGossip", "check_codec", "make_rank_codec"]
+__all__ = ["CodecConfig", "CodecGossip", "ReplicaGossip", "check_codec", "make_rank_codec"]
 
 INITS = ("model", "zeros", "exchange")
 
@@ -91,57 +91,35 @@ def make_rank_codec(config: CodecConfig, rank: int) -> Codec:
     return make_codec(config.codec, **config.codec_options, **seed)
 
 
-class ReplicaGossip:
-    """A rank's codec, its public copies per distinct topology of the schedule, and scratch space.
+class CodecGossip:
+    """What every compressed gossip keeps: a rank's codec, the schedule's distinct topologies, scratch space.
 
-    ``init`` says how the copies start: ``"model"`` (all equal to this rank's model, valid when every
-    rank starts from the same model), ``"zeros"`` (the CHOCO paper's x̂ = 0) or ``"exchange"`` (own
-    copy = model, neighbour copies = their models, one full-precision exchange per distinct topology).
+    ``slots`` lists the distinct topologies in order of first use in the schedule (``first_steps`` the
+    step of that use); a subclass keeps its public state per slot. :meth:`models` is the lossless path.
     """
 
-    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str, inits: tuple[str, ...]):
+        if init not in inits:
+            raise ValueError(f"init must be one of {inits}, got {init!r}")
         self.comm, self.codec, self.numel = comm, codec, x.numel()
         self.scratch = torch.empty_like(x)
         self._models: dict[int, torch.Tensor] = {}
-        self.slots: list = []  # distinct topologies, in order of first use in the schedule
-        first_step: list[int] = []
+        self.slots: list = []
+        self.first_steps: list[int] = []
         for step in range(comm.schedule.period):
             topo = comm.topology(step)
             if topo not in self.slots:
                 self.slots.append(topo)
-                first_step.append(step)
-        self.copies: list[torch.Tensor] = []
-        if codec.lossless:
-            return
-        for topo, step in zip(self.slots, first_step):
-            rows = torch.empty((1 + len(topo.in_neighbors(comm.rank)), self.numel), dtype=x.dtype, device=x.device)
-            if init == "zeros":
-                rows.zero_()
-            else:
-                rows.copy_(x.detach().expand_as(rows))
-                if init == "exchange":
-                    rows[1:].copy_(comm.neighbor_allgather(x.detach(), step=step))
-            self.copies.append(rows)
+                self.first_steps.append(step)
 
     @property
     def lossless(self) -> bool:
-        """True when the codec is lossless and no copies are kept."""
+        """True when the codec is lossless and no public state is kept."""
         return self.codec.lossless
 
-    def copies_at(self, step: int) -> torch.Tensor:
-        """The ``(1 + in_degree, d)`` copies for the topology in force at ``step`` (row 0: own)."""
-        return self.copies[self.slots.index(self.comm.topology(step))]
-
-    def advance(self, target: torch.Tensor, step: int) -> None:
-        """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add the decoded q to every copy."""
-        rows = self.copies_at(step)
-        payload = self.codec.encode(torch.sub(target, rows[0], out=self.scratch))
-        rows[0].add_(self.codec.decode(payload, self.numel, out=self.scratch))
-        received = self.comm.neighbor_allgather(payload, step=step)
-        for row, message in zip(rows[1:], received):
-            row.add_(self.codec.decode(message, self.numel, out=self.scratch))
+    def slot(self, step: int) -> int:
+        """Index in ``slots`` of the topology in force at ``step``."""
+        return self.slots.index(self.comm.topology(step))
 
     def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
         """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
@@ -153,6 +131,43 @@ class ReplicaGossip:
         for row, message in zip(out, received):
             self.codec.decode(message, self.numel, out=row)
         return out
+
+
+class ReplicaGossip(CodecGossip):
+    """Public copies per distinct topology: the own one and one of each in-neighbour's.
+
+    ``init`` says how the copies start: ``"model"`` (all equal to this rank's model, valid when every
+    rank starts from the same model), ``"zeros"`` (the CHOCO paper's x̂ = 0) or ``"exchange"`` (own
+    copy = model, neighbour copies = their models, one full-precision exchange per distinct topology).
+    """
+
+    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
+        super().__init__(comm, codec, x, init, INITS)
+        self.copies: list[torch.Tensor] = []
+        if codec.lossless:
+            return
+        for topo, step in zip(self.slots, self.first_steps):
+            rows = torch.empty((1 + len(topo.in_neighbors(comm.rank)), self.numel), dtype=x.dtype, device=x.device)
+            if init == "zeros":
+                rows.zero_()
+            else:
+                rows.copy_(x.detach().expand_as(rows))
+                if init == "exchange":
+                    rows[1:].copy_(comm.neighbor_allgather(x.detach(), step=step))
+            self.copies.append(rows)
+
+    def copies_at(self, step: int) -> torch.Tensor:
+        """The ``(1 + in_degree, d)`` copies for the topology in force at ``step`` (row 0: own)."""
+        return self.copies[self.slot(step)]
+
+    def advance(self, target: torch.Tensor, step: int) -> None:
+        """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add the decoded q to every copy."""
+        rows = self.copies_at(step)
+        payload = self.codec.encode(torch.sub(target, rows[0], out=self.scratch))
+        rows[0].add_(self.codec.decode(payload, self.numel, out=self.scratch))
+        received = self.comm.neighbor_allgather(payload, step=step)
+        for row, message in zip(rows[1:], received):
+            row.add_(self.codec.decode(message, self.numel, out=self.scratch))
 
     def state_dict(self) -> dict[str, Any]:
         """Codec generator state and a copy of every replica tensor (in slot order)."""
