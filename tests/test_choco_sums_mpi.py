@@ -1,4 +1,4 @@
-"""CHOCO's degree-free state (mpicomm/algorithms/public_sum.py): s_i = sum_j W_ij x̂_j, its size, old checkpoints.
+"""CHOCO's and DCD's degree-free state (algorithms/public_sum.py): s_i = sum_j W_ij x̂_j, its size, old checkpoints.
 
 Every rank's own public copy x̂_j is gathered with MPI, so the sum a rank keeps is checked against the
 definition computed from scratch in float32 (``W @ x̂``). The running sum adds one rounded W_ij q_j per
@@ -20,12 +20,13 @@ from .conftest import run_all
 pytestmark = pytest.mark.mpi
 
 STEPS = 5
-OPTIONS = {"lr": 0.1, "momentum": 0.9, "gamma": 0.4, "codec": "qsgd", "codec_options": {"bits": 3}, "seed": 3}
+OPTIONS = {"lr": 0.1, "momentum": 0.9, "codec": "qsgd", "codec_options": {"bits": 3}, "seed": 3}
+NAMES = {"choco": {"gamma": 0.4}, "dcd": {}}
 
 
-def build(comm, schedule, model_seed=0):
-    """CHOCO with a stochastic codec (so the codec's generator state is part of what resumes)."""
-    return make_algorithm("choco", make_model(model_seed), Communicator(comm, schedule), **OPTIONS)
+def build(comm, name, schedule, model_seed=0):
+    """``name`` with a stochastic codec (so the codec's generator state is part of what resumes)."""
+    return make_algorithm(name, make_model(model_seed), Communicator(comm, schedule), **OPTIONS, **NAMES[name])
 
 
 def own_copies(comm, algo) -> list[torch.Tensor]:
@@ -33,10 +34,11 @@ def own_copies(comm, algo) -> list[torch.Tensor]:
     return [torch.stack(comm.allgather(pair[0].clone())) for pair in algo.gossip.pairs]
 
 
-def test_sum_is_the_mix_of_the_public_copies(comm):
+@pytest.mark.parametrize("name", NAMES)
+def test_sum_is_the_mix_of_the_public_copies(comm, name):
     def body():
         for schedule in topologies_for(comm.Get_size()):
-            algo = build(comm, schedule)
+            algo = build(comm, name, schedule)
             train(algo, STEPS)
             rank = comm.Get_rank()
             for pair, copies, step in zip(algo.gossip.pairs, own_copies(comm, algo), algo.gossip.first_steps):
@@ -47,10 +49,11 @@ def test_sum_is_the_mix_of_the_public_copies(comm):
     run_all(comm, body)
 
 
-def test_state_is_two_model_copies_per_topology_whatever_the_degree(comm):
+@pytest.mark.parametrize("name", NAMES)
+def test_state_is_two_model_copies_per_topology_whatever_the_degree(comm, name):
     def body():
         for schedule in topologies_for(comm.Get_size()):
-            algo = build(comm, schedule)
+            algo = build(comm, name, schedule)
             d, slots = algo.flat.numel, algo.gossip.slots
             assert [tuple(p.shape) for p in algo.gossip.pairs] == [(2, d)] * len(slots), schedule.name
             assert algo.gossip.scratch.numel() == d
@@ -73,21 +76,22 @@ def old_form_state(comm, algo) -> dict:
     return {"codec": algo.gossip.codec.state_dict(), "copies": copies}
 
 
-def test_checkpoint_of_the_per_neighbour_form_is_converted(comm, mpi_tmp_path):
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_of_the_per_neighbour_form_is_converted(comm, name, mpi_tmp_path):
     def body():
-        root = mpi_tmp_path / "old_form"
+        root = mpi_tmp_path / f"old_form_{name}"
         schedule = topologies_for(comm.Get_size())[-1]  # one-peer exponential at 4 ranks: two slots
-        straight = build(comm, schedule)
+        straight = build(comm, name, schedule)
         train(straight, 2 * STEPS)
 
-        first = build(comm, schedule)
+        first = build(comm, name, schedule)
         train(first, STEPS)
         state = first.state_dict()
         state["extra"]["gossip"] = old_form_state(comm, first)
         expected_pairs = [p.clone() for p in first.gossip.pairs]
         save_checkpoint(root, first.comm, {"algo": state}, step=STEPS, meta=run_meta(first.comm, first))
 
-        resumed = build(comm, schedule, model_seed=7)
+        resumed = build(comm, name, schedule, model_seed=7)
         loaded, _ = load_checkpoint(root, resumed.comm, expect=run_meta(resumed.comm, resumed))
         resumed.load_state_dict(loaded["algo"])
         for mine, ref in zip(resumed.gossip.pairs, expected_pairs):
@@ -101,7 +105,7 @@ def test_checkpoint_of_the_per_neighbour_form_is_converted(comm, mpi_tmp_path):
 
 def test_per_neighbour_state_of_another_schedule_is_refused(comm):
     def body():
-        algo = build(comm, topologies_for(comm.Get_size())[0])
+        algo = build(comm, "choco", topologies_for(comm.Get_size())[0])
         d = algo.flat.numel
         bad = {"codec": algo.gossip.codec.state_dict(), "copies": [torch.zeros(9, d)]}
         with pytest.raises(ValueError, match=r"per-neighbour replica state has shapes \[\(9, \d+\)\], expected"):

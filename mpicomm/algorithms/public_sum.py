@@ -19,11 +19,14 @@ at exchanges over T (as in :mod:`.replicas`). A static topology has one T.
 whatever the degree, plus one d-element scratch vector.
 
 **Initial state** (``init``): ``"model"`` puts x̂_i = s_i = x_i (every rank starts from the same model,
-so every copy is x_i and the rows of W sum to 1); ``"zeros"`` starts both at 0 (the CHOCO paper's x̂ = 0).
+so every copy is x_i and the rows of W sum to 1); ``"zeros"`` starts both at 0 (the CHOCO paper's x̂ = 0);
+``"exchange"`` puts x̂_i = x_i and s_i = sum_j W_ij x_j after one full-precision exchange per distinct
+topology (DCD without a common start; the in-degree x d receive buffer exists during construction only).
 
 **Checkpoints.** :meth:`SumGossip.state_dict` stores the ``(2, d)`` tensors under ``"own_and_sum"``. A
 state written by the per-neighbour form (``"copies"``: ``(1 + in_degree_T, d)`` rows, own first, as
-:class:`.replicas.ReplicaGossip` writes them) is converted on load: s_i^T = W_ii row_0 + sum_k W_ik row_k+1.
+CHOCO, CPD-SGDM and DCD wrote them before this form) is converted on load:
+s_i^T = W_ii row_0 + sum_k W_ik row_k+1, the mix those versions formed at every step.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .replicas import CodecGossip
 
 __all__ = ["SumGossip"]
 
-INITS = ("model", "zeros")
+INITS = ("model", "zeros", "exchange")
 
 
 class SumGossip(CodecGossip):
@@ -49,12 +52,15 @@ class SumGossip(CodecGossip):
         self.pairs: list[torch.Tensor] = []
         if codec.lossless:
             return
-        for _ in self.slots:
+        for topo, step in zip(self.slots, self.first_steps):
             pair = torch.empty((2, self.numel), dtype=x.dtype, device=x.device)
-            if init == "model":
-                pair.copy_(x.detach().expand_as(pair))
-            else:
+            if init == "zeros":
                 pair.zero_()
+            else:
+                pair.copy_(x.detach().expand_as(pair))
+            if init == "exchange":
+                received = comm.neighbor_allgather(x.detach(), step=step)
+                gossip_average(pair[1], received, topo.self_weight(comm.rank), topo.neighbor_weights(comm.rank))
             self.pairs.append(pair)
 
     def pair_at(self, step: int) -> torch.Tensor:
