@@ -1,6 +1,8 @@
 """Compressed gossip that keeps the own public copy and the weighted sum of the copies, not one per neighbour.
 
-Koloskova, Stich, Jaggi (ICML 2019), Algorithm 1 ("memory-efficient" form). A compressed method never
+Koloskova, Stich, Jaggi (ICML 2019), CHOCO-SGD in its memory-efficient form (node i keeps x̂_i and
+s_i instead of x̂_j for every neighbour j; the algorithm number in the paper is not cited here because
+it was not checked). A compressed method never
 sends its model: rank i keeps a public copy x̂_i, sends ``q_i = C(target - x̂_i)``, and everyone who
 mixes with i adds the decoded q_i. Only the mix s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so
 that is what is stored::
