@@ -1,27 +1,23 @@
-"""Compressed neighbour exchange with public copies ("replicas"), shared by CHOCO, CPD-SGDM and DCD.
+"""What CHOCO, CPD-SGDM and DCD share: codec options, a rank's codec, and the per-topology gossip base.
 
 A compressed decentralized method never sends its model. Rank i keeps a *public copy* x̂_i of its own
-model and a copy x̂_j of each in-neighbour's, sends ``q_i = C(target - x̂_i)`` and every holder of a
-copy of i adds the decoded ``q_i`` to it::
+model, sends ``q_i = C(target - x̂_i)``, and every rank that mixes with i adds the decoded ``q_i`` to what
+it knows of i::
 
     q_i = C(target_i - x̂_i);   x̂_j <- x̂_j + q_j   for j in N(i) (own copy included)
 
-The sender adds the decoded bytes it sent, so every rank's copy of x̂_j is bit-identical to j's own.
+The sender adds the decoded bytes it sent, so what a receiver knows of x̂_j is bit-identical to j's own.
+Only the mix sum_j W_ij x̂_j is ever used, so :mod:`.public_sum` keeps that sum and x̂_i, not a copy per
+neighbour: 2 model copies per distinct topology of the schedule, whatever the degree.
 
-**Time-varying topologies.** A copy stays exact only if its holder receives every message that
-advances it. With a schedule whose graphs differ, a neighbour of one step is not a neighbour of the
-next, so copies are kept *per distinct topology* T of the schedule: x̂_i^T is what T's out-neighbours
-know of rank i, advanced only at exchanges over T. Every copy then stays consistent and the
-consensus terms sum to zero (W doubly stochastic), so the average is preserved. A static topology
-has one T and this is the usual scheme.
-
-**Memory.** For each distinct topology T: one ``(1 + in_degree_T, d)`` float32 tensor; row 0 is the
-own copy x̂_i^T, row k+1 the copy of ``in_neighbors_T[k]``. Plus one d-element scratch vector.
-(CHOCO can be run with only x̂_i and s_i = sum_j W_ij x̂_j for a static W; that trick is not used
-here, because it cannot reproduce D-PSGD bit for bit.)
+**Time-varying topologies.** A copy stays exact only if everyone holding it receives every message
+that advances it. With a schedule whose graphs differ, a neighbour of one step is not a neighbour of
+the next, so the public state is kept *per distinct topology* T of the schedule, advanced only at
+exchanges over T (:class:`CodecGossip` lists the T's). The consensus terms then sum to zero
+(W doubly stochastic), so the average is preserved. A static topology has one T.
 
 **Lossless codecs** (``identity``): x̂ <- x̂ + (target - x̂) equals target in exact arithmetic, so no
-copies are kept; :meth:`ReplicaGossip.models` sends the encoded model itself (the same
+public state is kept; :meth:`CodecGossip.models` sends the encoded model itself (the same
 ``payload_bytes(d)`` per out-neighbour) and returns the decoded in-neighbour models, which lets the
 algorithms reduce to their full-precision baselines to the last bit.
 
@@ -43,9 +39,7 @@ import torch
 from ..codecs import CODECS, Codec, make_codec
 from .base import AlgorithmConfig
 
-__all__ = ["CodecConfig", "ReplicaGossip", "check_codec", "make_rank_codec"]
-
-INITS = ("model", "zeros", "exchange")
+__all__ = ["CodecConfig", "CodecGossip", "check_codec", "make_rank_codec"]
 
 
 def _takes_seed(name: str) -> bool:
@@ -91,57 +85,35 @@ def make_rank_codec(config: CodecConfig, rank: int) -> Codec:
     return make_codec(config.codec, **config.codec_options, **seed)
 
 
-class ReplicaGossip:
-    """A rank's codec, its public copies per distinct topology of the schedule, and scratch space.
+class CodecGossip:
+    """What every compressed gossip keeps: a rank's codec, the schedule's distinct topologies, scratch space.
 
-    ``init`` says how the copies start: ``"model"`` (all equal to this rank's model, valid when every
-    rank starts from the same model), ``"zeros"`` (the CHOCO paper's x̂ = 0) or ``"exchange"`` (own
-    copy = model, neighbour copies = their models, one full-precision exchange per distinct topology).
+    ``slots`` lists the distinct topologies in order of first use in the schedule (``first_steps`` the
+    step of that use); a subclass keeps its public state per slot. :meth:`models` is the lossless path.
     """
 
-    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str, inits: tuple[str, ...]):
+        if init not in inits:
+            raise ValueError(f"init must be one of {inits}, got {init!r}")
         self.comm, self.codec, self.numel = comm, codec, x.numel()
         self.scratch = torch.empty_like(x)
         self._models: dict[int, torch.Tensor] = {}
-        self.slots: list = []  # distinct topologies, in order of first use in the schedule
-        first_step: list[int] = []
+        self.slots: list = []
+        self.first_steps: list[int] = []
         for step in range(comm.schedule.period):
             topo = comm.topology(step)
             if topo not in self.slots:
                 self.slots.append(topo)
-                first_step.append(step)
-        self.copies: list[torch.Tensor] = []
-        if codec.lossless:
-            return
-        for topo, step in zip(self.slots, first_step):
-            rows = torch.empty((1 + len(topo.in_neighbors(comm.rank)), self.numel), dtype=x.dtype, device=x.device)
-            if init == "zeros":
-                rows.zero_()
-            else:
-                rows.copy_(x.detach().expand_as(rows))
-                if init == "exchange":
-                    rows[1:].copy_(comm.neighbor_allgather(x.detach(), step=step))
-            self.copies.append(rows)
+                self.first_steps.append(step)
 
     @property
     def lossless(self) -> bool:
-        """True when the codec is lossless and no copies are kept."""
+        """True when the codec is lossless and no public state is kept."""
         return self.codec.lossless
 
-    def copies_at(self, step: int) -> torch.Tensor:
-        """The ``(1 + in_degree, d)`` copies for the topology in force at ``step`` (row 0: own)."""
-        return self.copies[self.slots.index(self.comm.topology(step))]
-
-    def advance(self, target: torch.Tensor, step: int) -> None:
-        """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add the decoded q to every copy."""
-        rows = self.copies_at(step)
-        payload = self.codec.encode(torch.sub(target, rows[0], out=self.scratch))
-        rows[0].add_(self.codec.decode(payload, self.numel, out=self.scratch))
-        received = self.comm.neighbor_allgather(payload, step=step)
-        for row, message in zip(rows[1:], received):
-            row.add_(self.codec.decode(message, self.numel, out=self.scratch))
+    def slot(self, step: int) -> int:
+        """Index in ``slots`` of the topology in force at ``step``."""
+        return self.slots.index(self.comm.topology(step))
 
     def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
         """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
@@ -153,17 +125,3 @@ class ReplicaGossip:
         for row, message in zip(out, received):
             self.codec.decode(message, self.numel, out=row)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """Codec generator state and a copy of every replica tensor (in slot order)."""
-        return {"codec": self.codec.state_dict(), "copies": [c.clone() for c in self.copies]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        copies = state["copies"]
-        shapes = [tuple(c.shape) for c in self.copies]
-        if [tuple(c.shape) for c in copies] != shapes:
-            raise ValueError(f"replica state has shapes {[tuple(c.shape) for c in copies]}, expected {shapes}")
-        for mine, saved in zip(self.copies, copies):
-            mine.copy_(saved)
-        self.codec.load_state_dict(state["codec"])

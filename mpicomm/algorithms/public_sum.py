@@ -1,0 +1,109 @@
+"""Compressed gossip that keeps the own public copy and the weighted sum of the copies, not one per neighbour.
+
+Koloskova, Stich, Jaggi (ICML 2019), CHOCO-SGD in its memory-efficient form (node i keeps x̂_i and
+s_i instead of x̂_j for every neighbour j; the algorithm number in the paper is not cited here because
+it was not checked). A compressed method never
+sends its model: rank i keeps a public copy x̂_i, sends ``q_i = C(target - x̂_i)``, and everyone who
+mixes with i adds the decoded q_i. Only the mix s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so
+that is what is stored::
+
+    q_i = C(target_i - x̂_i);   x̂_i <- x̂_i + q_i;   s_i <- s_i + W_ii q_i + sum_{j in N(i)} W_ij q_j
+
+Each neighbour's payload is decoded into the one d-element scratch vector and added to s_i with its
+weight, so nothing per neighbour is model-sized. s_i equals sum_j W_ij x̂_j in exact arithmetic; in
+float32 it is that sum accumulated in a different order (one rounding per message instead of per mix).
+
+**Time-varying topologies.** A copy stays exact only if everyone who mixes it receives every message
+that advances it, so (x̂_i^T, s_i^T) is kept *per distinct topology* T of the schedule and advanced only
+at exchanges over T (as in :mod:`.replicas`). A static topology has one T.
+
+**Memory.** For each distinct topology T one ``(2, d)`` float32 tensor (row 0: x̂_i^T, row 1: s_i^T),
+whatever the degree, plus one d-element scratch vector.
+
+**Initial state** (``init``): ``"model"`` puts x̂_i = s_i = x_i (every rank starts from the same model,
+so every copy is x_i and the rows of W sum to 1); ``"zeros"`` starts both at 0 (the CHOCO paper's x̂ = 0);
+``"exchange"`` puts x̂_i = x_i and s_i = sum_j W_ij x_j after one full-precision exchange per distinct
+topology (DCD without a common start; the in-degree x d receive buffer exists during construction only).
+
+**Checkpoints.** :meth:`SumGossip.state_dict` stores the ``(2, d)`` tensors under ``"own_and_sum"``. A
+state written by the per-neighbour form (``"copies"``: ``(1 + in_degree_T, d)`` rows, own first, as
+CHOCO, CPD-SGDM and DCD wrote them before this form) is converted on load:
+s_i^T = W_ii row_0 + sum_k W_ik row_k+1, the mix those versions formed at every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..codecs import Codec
+from .dpsgd import gossip_average
+from .replicas import CodecGossip
+
+__all__ = ["SumGossip"]
+
+INITS = ("model", "zeros", "exchange")
+
+
+class SumGossip(CodecGossip):
+    """A rank's own public copy x̂_i and mix s_i = sum_j W_ij x̂_j per distinct topology (see the module docstring)."""
+
+    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
+        super().__init__(comm, codec, x, init, INITS)
+        self.pairs: list[torch.Tensor] = []
+        if codec.lossless:
+            return
+        for topo, step in zip(self.slots, self.first_steps):
+            pair = torch.empty((2, self.numel), dtype=x.dtype, device=x.device)
+            if init == "zeros":
+                pair.zero_()
+            else:
+                pair.copy_(x.detach().expand_as(pair))
+            if init == "exchange":
+                received = comm.neighbor_allgather(x.detach(), step=step)
+                gossip_average(pair[1], received, topo.self_weight(comm.rank), topo.neighbor_weights(comm.rank))
+            self.pairs.append(pair)
+
+    def pair_at(self, step: int) -> torch.Tensor:
+        """The ``(2, d)`` state for the topology in force at ``step``: row 0 x̂_i, row 1 s_i."""
+        return self.pairs[self.slot(step)]
+
+    def advance(self, target: torch.Tensor, step: int) -> None:
+        """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add q_i to x̂_i and every W_ij q_j to s_i."""
+        own, total = self.pair_at(step)
+        topo, rank = self.comm.topology(step), self.comm.rank
+        payload = self.codec.encode(torch.sub(target, own, out=self.scratch))
+        mine = self.codec.decode(payload, self.numel, out=self.scratch)
+        own.add_(mine)
+        total.add_(mine, alpha=topo.self_weight(rank))
+        received = self.comm.neighbor_allgather(payload, step=step)
+        for weight, message in zip(topo.neighbor_weights(rank), received):
+            total.add_(self.codec.decode(message, self.numel, out=self.scratch), alpha=weight)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Codec generator state and a copy of every ``(2, d)`` tensor (in slot order)."""
+        return {"codec": self.codec.state_dict(), "own_and_sum": [p.clone() for p in self.pairs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, or convert a per-neighbour ``"copies"`` state."""
+        pairs = state["own_and_sum"] if "own_and_sum" in state else self._from_copies(state["copies"])
+        shapes = [tuple(p.shape) for p in self.pairs]
+        if [tuple(p.shape) for p in pairs] != shapes:
+            raise ValueError(f"public-copy state has shapes {[tuple(p.shape) for p in pairs]}, expected {shapes}")
+        for mine, saved in zip(self.pairs, pairs):
+            mine.copy_(saved)
+        self.codec.load_state_dict(state["codec"])
+
+    def _from_copies(self, copies: list) -> list[torch.Tensor]:
+        """(x̂_i, sum_j W_ij x̂_j) per slot from the per-neighbour copies of an older checkpoint."""
+        rank = self.comm.rank
+        expected = [(1 + len(topo.in_neighbors(rank)), self.numel) for topo in self.slots]
+        if [tuple(c.shape) for c in copies] != expected:
+            raise ValueError(f"per-neighbour replica state has shapes {[tuple(c.shape) for c in copies]}, "
+                             f"expected {expected} for this topology schedule")
+        pairs = []
+        for topo, rows in zip(self.slots, copies):
+            mixed = gossip_average(rows[0].clone(), rows[1:], topo.self_weight(rank), topo.neighbor_weights(rank))
+            pairs.append(torch.stack((rows[0], mixed)))
+        return pairs
