@@ -1,11 +1,10 @@
 """Compressed gossip that keeps the own public copy and the weighted sum of the copies, not one per neighbour.
 
-Koloskova, Stich, Jaggi (ICML 2019), CHOCO-SGD in its memory-efficient form (node i keeps x̂_i and
-s_i instead of x̂_j for every neighbour j; the algorithm number in the paper is not cited here because
-it was not checked). A compressed method never
-sends its model: rank i keeps a public copy x̂_i, sends ``q_i = C(target - x̂_i)``, and everyone who
-mixes with i adds the decoded q_i. Only the mix s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so
-that is what is stored::
+Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization and Gossip Algorithms with Compressed
+Communication", ICML 2019: CHOCO-SGD in its memory-efficient form (node i keeps x̂_i and s_i instead of
+x̂_j for every neighbour j). A compressed method never sends its model: rank i keeps a public copy
+x̂_i, sends ``q_i = C(target - x̂_i)``, and everyone who mixes with i adds the decoded q_i. Only the
+mix s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so that is what is stored::
 
     q_i = C(target_i - x̂_i);   x̂_i <- x̂_i + q_i;   s_i <- s_i + W_ii q_i + sum_{j in N(i)} W_ij q_j
 
