@@ -83,14 +83,14 @@ def test_converges_on_least_squares_near_adpsgd(comm, options, max_gap, spread_f
 
 
 def wrapped_setup(comm, guard: str):
-    """Rank r holds x_0 + r 1e-3 on every tensor, plus 10 r on ``2.weight``; fixed theta 0.05, 4 bits, P = 1."""
+    """Rank r holds x_0 + r 1e-3 on every tensor, plus 10 r on ``2.weight``; fixed theta 0.05, 4 bits, P = 1, dither."""
     schedule = topologies_for(comm.Get_size())[0]
     model = make_model()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(comm.Get_rank() * (1e-3 + (10.0 if name == "2.weight" else 0.0)))
     return make_algorithm("moniqua_adpsgd", model, Communicator(comm, schedule), lr=0.1, broadcast_init=False,
-                          bits=4, parts=1, theta=0.05, gamma=1.0, guard=guard)
+                          bits=4, parts=1, theta=0.05, gamma=1.0, guard=guard, rounding="dither")
 
 
 def zero_step(algo) -> None:
