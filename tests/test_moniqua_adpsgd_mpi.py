@@ -133,6 +133,7 @@ def test_a_forced_wrap_is_detected_and_that_tensor_is_not_mixed(comm):
             keep[w] = False
             assert torch.allclose(algo.flat.data[keep].double(), expected[keep], atol=1e-6)
             assert not torch.equal(algo.flat.data[keep], before[keep])
+        assert algo.record.summed(algo.comm).wrapped.tolist() == [0, 0, 1, 0]  # what close() summarises
         algo.close()
 
     run_all(comm, body)

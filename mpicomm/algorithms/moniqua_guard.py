@@ -9,7 +9,8 @@ device, so no value is read by the host.
 
 The record counts the wrapped parts per tensor and per tensor group (the first two levels of the
 parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and for one summary that rank 0
-logs at the end: the wrap flags are agreed by every rank, so rank 0 speaks for all.
+logs at the end: the synchronous algorithms agree the wrap flags, so rank 0 speaks for all; Moniqua-AD-PSGD's
+ranks each count their own pulls, and :meth:`GuardRecord.summed` adds them up first.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def resync_parts(comm, x: torch.Tensor, step: int, parts: list[tuple[int, int]])
 
 
 class GuardRecord:
-    """Wrapped parts per tensor (and group), resyncs and mixing steps; identical on every rank."""
+    """Wrapped parts per tensor (and group), resyncs and mixing steps (identical on every rank when synchronous)."""
 
     def __init__(self, names: list[str]):
         self.names = names
