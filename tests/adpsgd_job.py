@@ -27,11 +27,12 @@ from mpicomm.algorithms import make_algorithm  # noqa: E402
 from mpicomm.comm import Communicator  # noqa: E402
 from tests import lsq_problem as lsq  # noqa: E402
 
-CONFIGS = [  # name, options, share of SECONDS
-    ("adpsgd", {}, 1.0),
-    ("moniqua_adpsgd", {"bits": 8}, 1.0),
-    ("moniqua_adpsgd", {"bits": 1}, 1.0),
-    ("moniqua_adpsgd", {"bits": 2, "theta": 1e-5, "theta_cap": 4.0}, 0.3),  # the guard: every average wraps
+CONFIGS = [  # label, name, options, share of SECONDS
+    ("adpsgd", "adpsgd", {}, 1.0),
+    ("8bit", "moniqua_adpsgd", {"bits": 8, "parts": 1}, 1.0),
+    ("default", "moniqua_adpsgd", {}, 1.0),  # 4 bits on a rotating quarter of each tensor, dither, theta per tensor
+    ("paper", "moniqua_adpsgd", {"bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}, 1.0),
+    ("guard", "moniqua_adpsgd", {"bits": 2, "parts": 1, "theta": 1e-5, "theta_cap": 4.0}, 0.3),  # every pull wraps
 ]
 
 
@@ -46,7 +47,7 @@ def same_state(a, b) -> bool:
     return a == b
 
 
-def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
+def run(comm, label: str, name: str, options: dict, seconds: float, sleep: float) -> dict:
     """Train against the clock; measure; check the state round trip on this rank."""
     n, rank = comm.Get_size(), comm.Get_rank()
     ring = topology.ring(n)
@@ -78,6 +79,7 @@ def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
     fresh.close()
     algo.close()
     return {
+        "label": label,
         "name": name,
         "options": options,
         "steps": comm.allgather(steps),
@@ -85,7 +87,8 @@ def run(comm, name: str, options: dict, seconds: float, sleep: float) -> dict:
         "consensus_distance": spread,
         "bytes_read": comm.allgather(stats["total_bytes_contributed"]),
         "message_bytes": algo.message_bytes,
-        "skipped": comm.allgather(stats.get("skipped", 0)),
+        "wrapped_parts": comm.allgather(stats.get("wrapped_parts", 0)),
+        "pulls": comm.allgather(stats.get("pulls", 0)),
         "round_trip": comm.allgather(bool(round_trip)),
         "transport": algo.mailbox.transport,
         "params_finite": comm.allgather(bool(torch.isfinite(algo.flat.data).all())),
@@ -98,7 +101,7 @@ def main() -> None:
     out = sys.argv[1]
     seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
     sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.02
-    results = [run(comm, name, options, share * seconds, sleep) for name, options, share in CONFIGS]
+    results = [run(comm, label, name, options, share * seconds, sleep) for label, name, options, share in CONFIGS]
     if comm.Get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"size": comm.Get_size(), "seconds": seconds, "sleep": sleep, "results": results}, f, indent=1)

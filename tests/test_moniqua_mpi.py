@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpicomm.algorithms import make_algorithm
-from mpicomm.algorithms.moniqua_single import ThetaBoundError
+from mpicomm.algorithms.moniqua import ThetaBoundError
 from mpicomm.codecs.lattice import dither, stream_key
 from mpicomm.comm import Communicator
 from mpicomm.topology import Topology

@@ -32,7 +32,8 @@ OPTIONS = {
     "zeroone_adam": {"var_freeze_step": 3, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4},
     "onebit_lamb": {"freeze_step": 3},
 }
-ASYNC = {"adpsgd", "moniqua_adpsgd"}  # timing-dependent by design: their state round trip is tested elsewhere
+ASYNC = {"adpsgd", "moniqua_adpsgd"}  # timing-dependent: state round trip in adpsgd_job.py, N + N in turns in
+# test_moniqua_adpsgd_mpi.py
 
 
 class TinyTask:

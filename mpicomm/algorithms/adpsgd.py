@@ -5,16 +5,19 @@ Lu, De Sa. "Moniqua: Modulo Quantized Communication in Decentralized SGD." ICML 
 
 Every rank runs its own loop; there is no barrier and no rendezvous between steps. Step k of rank i
 (g_i taken at x_i before this step, plus weight_decay * x_i; j drawn uniformly from i's neighbours in
-the schedule by a generator seeded with seed + rank)::
+the schedule by a generator seeded with seed + rank; v the number of steps j had taken when it published)::
 
     read j's latest published message          (:class:`~mpicomm.comm.rma.Mailbox`, one-sided)
     adpsgd:          x_i <- x_i + (gamma/2) (x_j - x_i)        gamma = 1 (default): (x_i + x_j) / 2
-    moniqua_adpsgd:  x_i <- x_i + (gamma/2) (x̂_j - x̂_i)      both recovered on j's grid (B_j), from x_i
+    moniqua_adpsgd:  x_i[S_l] <- x_i[S_l] + (gamma/2) (x̂_j - x̂_i)[S_l]   for every tensor l that did not wrap
     x_i <- x_i - alpha g_i                                     (torch SGD step; momentum if set)
+    publish x_i                                (adpsgd: fp32; moniqua_adpsgd: header + b-bit codes, v = k + 1)
 
 With a user optimizer (``optimizer=opt``) the SGD line adds ``d_i = opt.step(x_i, g_i) - x_i``, its
-update taken at x_i before the average (Moniqua's theta statistic is then ``||d_i||_inf``).
-    publish x_i                                (adpsgd: fp32; moniqua_adpsgd: 16-byte header + payload)
+update taken at x_i before the average (Moniqua's theta statistic is then ``||d_{i,l}||_inf`` per tensor).
+For Moniqua-AD-PSGD, S_l is tensor l's part (v + l) mod P of j's message and x̂_j, x̂_i are recovered on
+j's grid per tensor, s_l = 2^b (1 - 2 delta) / (2 theta_{j,l}) read from j's header, with the dither of
+j's stream (seed, v): see :mod:`.moniqua_pull` for the message and the recovery.
 
 What this implementation guarantees, and what it does not:
 
@@ -32,25 +35,49 @@ What this implementation guarantees, and what it does not:
   averaging preserves in expectation the weighted mean sum_i x_i / r_i (r_i = rank i's step rate), and
   rank i's gradient steps (r_i per unit time) move it by r_i / r_i: to first order the consensus follows
   the *unweighted* sum of the local gradients even when the ranks run at different speeds.
-* Moniqua-AD-PSGD: B travels in the header (fingerprint int64, then B float64), so each rank runs its own
-  theta: fixed, or adaptive from its *own* step statistic (no agreement is possible without a
-  collective), with t_mix of the expected pull-averaging matrix -- and never below the largest theta it
-  has seen in its peers' headers (a running max, decaying by ``theta_decay`` per read). That max-gossip
-  is the asynchronous stand-in for the synchronous allreduce(max): when a rank's guard enlarges its
-  theta, the ranks that read it follow, so the pair's messages become decodable both ways. A message
-  with B = 0 means "nothing published yet" (before a rank's first step, when all ranks still hold the
-  broadcast model); no average is taken with it. The fingerprint is checked *before* the average is
-  applied: on a wrap, ``guard="raise"`` raises :class:`~mpicomm.algorithms.moniqua.ThetaBoundError`
-  on the detecting rank (under ``python -m mpi4py`` the job aborts); ``guard="resync"`` skips that average, doubles this
-  rank's theta scale (up to ``theta_cap``; gamma divided likewise at 1-2 bits) and warns at the 1st,
-  2nd, 4th, 8th, ... skip. A full-precision resync round would need a rendezvous, so there is none:
-  without the max-gossip above, tens to a hundred averages per thousand steps were skipped next to a
-  rank 20x slower; with it, none in the test job.
+
+Moniqua-AD-PSGD, adapted to asynchrony (the synchronous :mod:`.moniqua` agrees theta and the wrap flags
+by an allreduce every step; here ranks are at different steps and nothing is agreed):
+
+* theta per tensor (:class:`~.moniqua_theta.TensorTheta`) from this rank's *own* statistic (its local
+  step per tensor, with the floor), with t = P t_mix of the expected pull-averaging matrix, and never
+  below the largest theta seen in its peers' headers (a running max per tensor, decaying by
+  ``theta_decay`` per read): the asynchronous stand-in for the allreduce(max), so that when a rank's
+  guard enlarges a tensor's theta, the ranks that read it follow and the pair's messages become
+  decodable both ways. ``theta_per="model"`` gives one theta (the paper's form).
+* Every reader decodes on the *publisher's* grid with the publisher's dither key (seed, v) and part
+  phase v, all in the header: the two ends of a pull agree on everything without a collective.
+* Guard, check then mix: every tensor's part is decoded and fingerprinted before x_i is touched; only
+  the tensors whose fingerprint matches are mixed. ``guard="skip"``: a wrapped tensor is left as it is in
+  that pull (its scale doubles, up to ``theta_cap``; clean pulls shrink it by ``theta_shrink``);
+  ``guard="raise"`` raises :class:`~.moniqua_guard.ThetaBoundError` on the reading rank, before anything
+  moved (under ``python -m mpi4py`` the job aborts). ``"resync"`` is refused: a full-precision exchange
+  needs the peer's participation. Wraps are counted per tensor group on each rank (``metrics.jsonl``);
+  ``close()`` adds up every rank's and rank 0 logs one summary.
+* What holds for the average: a pull moves only x_i, and a skipped tensor not at all (the mean over ranks
+  of a wrapped tensor is unchanged by that pull). On a mixed part x̂_j - x̂_i = (L'_j - L_i) / s_l, both
+  points on j's grid. With ``rounding="nearest"`` (the default here) that is a deterministic function of
+  the pair, within 1/s_l of x_j - x_i, and 0 when both lie in one cell: ranks that agree feel no pull.
+  With ``"dither"`` (the synchronous default) E_u[x̂_j - x̂_i] = x_j - x_i, AD-PSGD's own pull in
+  expectation, but its zero-mean noise (up to half a grid step per coordinate and pull) is not cancelled
+  by a symmetric update as in the synchronous mixing: it moves the ranks' mean, a random walk with no
+  restoring force on coordinates whose gradient is 0. Measured on the digits MLP (bench/moniqua_adpsgd.py,
+  4 ranks, 20 epochs, one run each): the dithered 4 bits on quarters ended at a consensus test loss of
+  7.4-273 (93.3-95.8 %, four runs), nearest at 0.06-0.16 (97.2-98.3 %, five runs).
+* A message with version -1 means "nothing published yet" (an adaptive theta before this rank's first
+  step, when all ranks still hold the broadcast model); no average is taken with it.
 
 Memory: adpsgd holds its mailbox slot and one read buffer, both fp32 model-sized (AD-PSGD's own need).
-Moniqua-AD-PSGD holds three message-sized buffers (16 + ceil(d b / 8) bytes: its slot, the read buffer
-and a copy of its own last message) and no model-sized one. Traffic per step: one read of one message
-(booked as ``rma_get``). ``close()`` is collective: call it on every rank after training.
+Moniqua-AD-PSGD holds three message-sized buffers (its slot, the read buffer and a copy of its own
+message, 8 + 8 T + sum_l ceil(ceil(n_l / P) b / 8) bytes rounded up to 4), a transient d / P float32
+increment per pull, and no model-sized one. Traffic per step: one read of one message (booked as
+``rma_get``). ``close()`` is collective: call it on every rank after training.
+
+``bits=32`` (with ``parts=1``) publishes the fp32 model and runs AD-PSGD's own code: Moniqua-AD-PSGD
+then equals ``adpsgd`` bit for bit (same gamma). Checkpoints hold the theta rule, the peers' theta max,
+the guard record, the stochastic-rounding generator and the last published message (republished byte
+for byte on load); a state round-trips exactly, but an asynchronous run continues from it only as
+deterministically as the ranks' timing allows.
 """
 
 from __future__ import annotations
@@ -62,33 +89,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..codecs import ModuloCodec
-from ..codecs._layout import chunk_elems, chunk_ranges
 from ..comm.rma import Mailbox, passive_progress_warning
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
-from .moniqua_single import (
-    HEADER_BYTES,
-    IDENTITY_BITS,
-    LatticeFingerprint,
-    SingleThetaConfig,
-    ThetaBoundError,
-    ThetaRule,
-    inf_norm,
-    int64_bytes,
-    keeps_error,
-    local_step_inf,
-    matrix_mixing_time,
-    payload_slice,
-    read_int64,
-)
+from .moniqua import IDENTITY_BITS, MoniquaConfig
+from .moniqua_guard import GuardRecord, ThetaBoundError
+from .moniqua_parts import local_step_sizes, tensor_inf
+from .moniqua_pull import PullMessage
+from .moniqua_theta import TensorTheta, matrix_mixing_time
 from .registry import register
 
 __all__ = ["ADPSGD", "ADPSGDConfig", "MoniquaADPSGD", "MoniquaADPSGDConfig", "expected_pull_matrix"]
 
 log = logging.getLogger(__name__)
 
-ASYNC_HEADER_BYTES = HEADER_BYTES + 8  # fingerprint (int64), then the sender's B (float64)
+ASYNC_GUARDS = ("skip", "raise")
 
 
 @dataclass(frozen=True)
@@ -103,11 +118,6 @@ class ADPSGDConfig(AlgorithmConfig):
     def __post_init__(self):
         super().__post_init__()
         check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
-
-
-@dataclass(frozen=True)
-class MoniquaADPSGDConfig(SingleThetaConfig):
-    """Moniqua-AD-PSGD options: Moniqua's (bits, rounding, gamma, theta, theta_c, guard, ...)."""
 
 
 def expected_pull_matrix(schedule, gamma: float) -> np.ndarray:
@@ -138,7 +148,7 @@ class ADPSGD(Algorithm):
         self.peer_rng = torch.Generator().manual_seed(self.config.seed + comm.rank)
         self._setup_messages()
         self.mailbox = Mailbox(comm, self.message_bytes)
-        self._publish()
+        self._publish(self.step_count)
         comm.barrier()  # every slot holds a model before anyone reads
         warning = passive_progress_warning() if self.mailbox.transport == "rma" else None
         if warning and comm.size > 1:
@@ -150,7 +160,8 @@ class ADPSGD(Algorithm):
         self.message_bytes = 4 * self.flat.numel
         self.peer_model = torch.empty_like(self.flat.data)
 
-    def _publish(self) -> None:
+    def _publish(self, steps: int) -> None:
+        """Publish this rank's model after its ``steps``-th step."""
         self.mailbox.publish(self.flat.data)
 
     def _average_with(self, peer: int) -> None:
@@ -169,7 +180,7 @@ class ADPSGD(Algorithm):
         if self.peers:
             self._average_with(self.next_peer())
         self._apply_update(update)
-        self._publish()
+        self._publish(self.step_count + 1)
 
     def _observe(self, grad: torch.Tensor, update: torch.Tensor | None) -> None:
         """Hook for per-step statistics (Moniqua's theta): the gradient, and a user optimizer's update (or None)."""
@@ -191,122 +202,133 @@ class ADPSGD(Algorithm):
 
     def _restore_message(self, extra) -> None:
         """Publish the loaded model (the slot must show what this rank holds)."""
-        self._publish()
+        self._publish(self.step_count)
+
+
+
+
+@dataclass(frozen=True)
+class MoniquaADPSGDConfig(MoniquaConfig):
+    """Moniqua-AD-PSGD options: those of Moniqua (bits, parts, gamma, theta, theta_per, theta_c, ...).
+
+    rounding: "nearest" (default here), "dither" (shared subtractive: its zero-mean noise enters the ranks'
+    mean, which a one-sided pull does not preserve) or "stochastic" (bits >= 2). guard: "skip" (a wrapped
+    tensor is left unmixed in that pull) or "raise"; "resync" is refused: it needs a full-precision exchange
+    with the peer, which a one-sided read does not have.
+    """
+
+    rounding: str = "nearest"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.guard not in ASYNC_GUARDS:
+            raise ValueError(f"guard must be one of {ASYNC_GUARDS} for moniqua_adpsgd, got {self.guard!r} "
+                             "(a resync needs a full-precision exchange with the peer; AD-PSGD's reads are one-sided)")
 
 
 @register
 class MoniquaADPSGD(ADPSGD):
-    """Moniqua-AD-PSGD: the pair average of AD-PSGD on modulo-quantized models (b bits per coordinate)."""
+    """Moniqua-AD-PSGD: AD-PSGD's pull average on modulo-quantized models, theta per tensor, check then mix."""
 
     name = "moniqua_adpsgd"
     config_class = MoniquaADPSGDConfig
 
     def _setup_messages(self) -> None:
-        config = self.config
+        config, count = self.config, len(self.flat.layers)
+        self.record = GuardRecord([layer.name for layer in self.flat.layers])
         if config.bits == IDENTITY_BITS:
             super()._setup_messages()
             self.codec = None
             return
         device = self.flat.data.device
-        self.codec = ModuloCodec(config.bits, config.rounding, seed=config.seed + self.comm.rank)
-        self.chunk = chunk_elems(device)
-        self.fingerprint = LatticeFingerprint(self.codec, self.chunk)
+        self.codec = PullMessage(self.flat.layers, config.bits, config.parts, config.rounding, config.seed,
+                                 config.seed + self.comm.rank, device)
         t_mix = matrix_mixing_time([expected_pull_matrix(self.comm.schedule, config.gamma)])
-        self.rule = ThetaRule(config, t_mix)
-        self.message_bytes = ASYNC_HEADER_BYTES + self.codec.payload_bytes(self.flat.numel)
+        self.rule = TensorTheta(count, config, config.parts * t_mix)
+        self.peer_theta = torch.zeros(count, dtype=torch.float64)  # running max (decay per read) of peers' thetas
+        self.message_bytes = self.codec.nbytes
         self.own = torch.zeros(self.message_bytes, dtype=torch.uint8, device=device)
         self.peer_message = torch.empty_like(self.own)
-        self.skipped = 0
-        self.peer_theta = 0.0  # running max (decay theta_decay per read) of the thetas seen in peers' headers
-        self.last: dict[str, float] = {}
 
     def _observe(self, grad, update):
         if self.codec is not None:
-            step_inf = local_step_inf(grad, self.lr, self.optimizer) if update is None else inf_norm(update)
-            self.rule.observe(step_inf, inf_norm(self.flat.data))
+            sizes = self.codec.layout.sizes
+            step = (local_step_sizes(grad, self.lr, self.optimizer, sizes) if update is None
+                    else local_step_sizes(update, 1.0, None, sizes))
+            self.rule.observe(self.rule.statistic(step, tensor_inf(self.flat.data, sizes)))
 
-    def _publish(self) -> None:
+    def theta(self) -> torch.Tensor:
+        """theta per tensor of this rank's next message: its own rule's, or a larger one seen in a peer's header."""
+        return torch.maximum(self.rule.theta(), self.peer_theta)
+
+    def _publish(self, steps: int) -> None:
         if self.codec is None:
-            return super()._publish()
-        x = self.flat.data
-        if not self.rule.ready():  # before the first step: B = 0 tells readers there is nothing to average yet
-            self.own.zero_()
-            self.mailbox.publish(self.own)
-            return
-        B = self.codec.b_theta(self.theta())
-        payload = self.codec.encode(x, B)
-        self.own[:HEADER_BYTES].copy_(int64_bytes(self.fingerprint.of(payload, x, B)[0]))
-        self.own[HEADER_BYTES:ASYNC_HEADER_BYTES].copy_(torch.tensor([B], dtype=torch.float64).view(torch.uint8))
-        self.own[ASYNC_HEADER_BYTES:].copy_(payload)
+            return super()._publish(steps)
+        if self.rule.ready():
+            self.codec.encode(self.flat.data, steps, self.theta(), self.own)
+        else:  # an adaptive theta before the first step: readers see "nothing yet" (all still hold x_0)
+            self.codec.empty(self.own)
         self.mailbox.publish(self.own)
-
-    def theta(self) -> float:
-        """theta of this rank's next message: its own rule's, or a larger one seen in a peer's header."""
-        return max(self.rule.theta(), self.peer_theta)
 
     def _average_with(self, peer: int) -> None:
         if self.codec is None:
             return super()._average_with(peer)
-        x, message = self.flat.data, self.mailbox.read(peer, self.peer_message)
-        B = float(message[HEADER_BYTES:ASYNC_HEADER_BYTES].clone().view(torch.float64)[0])
-        own_B = float(self.own[HEADER_BYTES:ASYNC_HEADER_BYTES].clone().view(torch.float64)[0])
-        if B == 0.0 or own_B == 0.0:  # a side has not finished a step yet: both still hold the initial model
+        message = self.mailbox.read(peer, self.peer_message)
+        version = self.codec.version(message)
+        if version < 0:
             return
-        theta_peer = B * (1.0 - 2.0 * self.codec.delta) / 2.0  # B = 2 theta / (1 - 2 delta)
-        self.peer_theta = max(self.config.theta_decay * self.peer_theta, theta_peer)
-        payload = message[ASYNC_HEADER_BYTES:]
-        fingerprint, distance = self.fingerprint.of(payload, x, B)
-        self.last = {"theta_own": self.theta(), "B_peer": B, "recovered_distance": distance}
-        if fingerprint != read_int64(message):
-            self._violation(peer, B, distance)
-            return
-        # x̂_i on the peer's grid, so that the two quantization errors cancel when the models agree
-        own_payload = self.own[ASYNC_HEADER_BYTES:] if own_B == B else self.codec.encode(x, B)
-        bits, half = self.codec.bits, self.gamma / 2.0
-        for start, stop in chunk_ranges(x.numel(), self.chunk):
-            xc = x[start:stop]
-            mine = self.codec.decode(payload_slice(own_payload, bits, start, stop), xc, B)
-            theirs = self.codec.decode(payload_slice(payload, bits, start, stop), xc, B)
-            xc.add_(theirs.sub_(mine), alpha=half)
-
-    def _violation(self, peer: int, B: float, distance: float) -> None:
-        what = (f"moniqua_adpsgd rank {self.comm.rank} step {self.step_count}: the modulo recovery of rank "
-                f"{peer}'s model wrapped (|x_i - x_j|_inf exceeded B/2 = {B / 2:.4g}; largest recovered "
-                f"distance {distance:.4g})")
-        if self.config.guard == "raise":
-            raise ThetaBoundError(what)
-        factor = self.rule.enlarge()
-        if keeps_error(self.codec):
-            self.gamma /= factor
-        self.skipped += 1
-        if self.skipped & (self.skipped - 1) == 0:  # warn at the 1st, 2nd, 4th, 8th, ... skipped average
-            log.warning("%s; skipped this average (%d so far on this rank); theta scale -> %g, gamma -> %.4g",
-                        what, self.skipped, self.rule.scale, self.gamma)
+        self.peer_theta = torch.maximum(self.peer_theta * self.config.theta_decay,
+                                        self.codec.thetas(self.codec.header_scales(message)))
+        increment, wrapped = self.codec.pull(message, self.flat.data)  # check: x untouched so far
+        self.record.steps += 1
+        if wrapped.any():
+            self.record.add(wrapped)
+            if self.config.guard == "raise":
+                raise ThetaBoundError(f"{self.record.describe(self.step_count, wrapped)} (rank {self.comm.rank} "
+                                      f"pulling rank {peer}'s model of its step {version}); raise theta or "
+                                      "theta_c, or use guard='skip'")
+        self.codec.mix(self.flat.data, version, increment, wrapped, self.gamma / 2.0)  # then mix
+        self.rule.guard(wrapped)
 
     def stats(self) -> dict[str, Any]:
-        """Base stats plus this rank's theta, the last peer's B, gamma and skipped averages."""
-        out = super().stats()
-        if self.codec is not None:
-            out.update(gamma=self.gamma, theta=self.theta(), theta_scale=self.rule.scale,
-                       skipped=self.skipped, **self.last)
+        """Base stats plus gamma, theta's range and the guard's counters (this rank's pulls and wrapped parts)."""
+        out = {**super().stats(), "gamma": self.gamma, "wrapped_parts": self.record.total(), "pulls": self.record.steps}
+        if self.codec is not None and self.rule.ready():
+            theta = self.theta()
+            out.update(theta_min=float(theta.min()), theta_max=float(theta.max()),
+                       theta_scale_max=float(self.rule.scale.max()))
         return out
 
+    def metrics(self) -> dict[str, Any]:
+        """For ``metrics.jsonl``: this rank's largest theta and wrapped parts per tensor group (see GuardRecord)."""
+        if self.codec is None or not self.rule.ready():
+            return {}
+        return self.record.metrics(self.theta())
+
+    def close(self) -> None:
+        """Collective: rank 0 logs one summary of every rank's wrapped parts, then the window is freed."""
+        self.record.summed(self.comm).summarise(self.comm.rank, "skip")
+        super().close()
+
     def _extra_state(self):
-        extra = super()._extra_state()
+        extra = {**super()._extra_state(), "record": self.record.state_dict()}
         if self.codec is not None:
-            extra.update(rule=self.rule.state_dict(), codec=self.codec.state_dict(), skipped=self.skipped,
-                         peer_theta=self.peer_theta,
-                         message=self.own.clone())
+            extra.update(rule=self.rule.state_dict(), peer_theta=self.peer_theta.clone(), message=self.own.clone())
+            if self.codec.noise is not None:
+                extra["noise"] = self.codec.noise.state_dict()
         return extra
 
     def _load_extra_state(self, extra):
+        self.record.load_state_dict(extra["record"])
         if self.codec is not None:
             self.rule.load_state_dict(extra["rule"])
-            self.codec.load_state_dict(extra["codec"])
-            self.skipped, self.peer_theta = int(extra["skipped"]), float(extra["peer_theta"])
+            self.peer_theta = extra["peer_theta"].clone().double()
+            if self.codec.noise is not None:
+                self.codec.noise.load_state_dict(extra["noise"])
         super()._load_extra_state(extra)
 
     def _restore_message(self, extra) -> None:
+        """Publish the saved message byte for byte (re-encoding would draw stochastic rounding anew)."""
         if self.codec is None:
             return super()._restore_message(extra)
         self.own.copy_(extra["message"])

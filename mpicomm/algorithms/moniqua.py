@@ -77,16 +77,22 @@ from ..codecs._layout import chunk_elems, chunk_ranges
 from ..codecs._rng import SeededGenerator
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
-from .moniqua_guard import LOW31, GuardRecord, resync_parts, run_fingerprints
-from .moniqua_parts import Chunk, PartLayout, tensor_inf
-from .moniqua_single import IDENTITY_BITS, ThetaBoundError, default_gamma
+from .moniqua_guard import LOW31, GuardRecord, ThetaBoundError, resync_parts, run_fingerprints
+from .moniqua_parts import Chunk, PartLayout, local_step_sizes, tensor_inf
 from .moniqua_theta import TensorTheta, mixing_time
 from .registry import register
 
-__all__ = ["GUARDS", "ModuloGossip", "Moniqua", "MoniquaConfig"]
+__all__ = ["GUARDS", "IDENTITY_BITS", "ModuloGossip", "Moniqua", "MoniquaConfig", "ThetaBoundError", "default_gamma"]
 
 MODULO_BITS = (1, 2, 4, 8)
 GUARDS = ("skip", "resync", "raise")
+IDENTITY_BITS = 32
+"""``bits`` value meaning "no codec": the fp32 model is sent and x̂_j = x_j exactly."""
+
+
+def default_gamma(bits: int) -> float:
+    """gamma when none is given: 0.5 at 1-2 bits (gamma < 1 is needed there, see the docs), else 1.0."""
+    return 0.5 if bits <= 2 else 1.0
 
 
 @dataclass(frozen=True)
@@ -164,13 +170,7 @@ class ModuloGossip:
         """``||lr (mu buf + grad)_l||_inf`` per tensor: the local step about to be taken (theta's statistic)."""
         if self.identity:
             return torch.zeros(0)
-        buf, mu = None, 0.0
-        if optimizer is not None:
-            group = optimizer.param_groups[0]
-            mu = group["momentum"]
-            buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
-        step = grad if buf is None else torch.add(grad, buf, alpha=mu)
-        return tensor_inf(step, self.layout.sizes) * lr
+        return local_step_sizes(grad, lr, optimizer, self.layout.sizes)
 
     def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
         """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""

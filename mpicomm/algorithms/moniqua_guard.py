@@ -9,7 +9,8 @@ device, so no value is read by the host.
 
 The record counts the wrapped parts per tensor and per tensor group (the first two levels of the
 parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and for one summary that rank 0
-logs at the end: the wrap flags are agreed by every rank, so rank 0 speaks for all.
+logs at the end: the synchronous algorithms agree the wrap flags, so rank 0 speaks for all; Moniqua-AD-PSGD's
+ranks each count their own pulls, and :meth:`GuardRecord.summed` adds them up first.
 """
 
 from __future__ import annotations
@@ -21,13 +22,25 @@ import torch
 
 from .dpsgd import gossip_average
 
-__all__ = ["LOW31", "GuardRecord", "resync_parts", "run_fingerprints"]
+__all__ = ["LOW31", "GuardRecord", "ThetaBoundError", "fingerprint", "resync_parts", "run_fingerprints"]
 
 log = logging.getLogger("mpicomm.algorithms.moniqua")
 
 _HASH_MASK = (1 << 20) - 1
 LOW31 = 0x7FFFFFFF
 """The header field is a fingerprint's low 31 bits (a non-negative int32)."""
+
+
+class ThetaBoundError(RuntimeError):
+    """Moniqua's modulo recovery wrapped (|x_i - x_j|_inf exceeded the range) and ``guard="raise"``."""
+
+
+def fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
+    """``sum_c H_c (L_c mod 2^20)`` of one run of int64 lattice points ``L`` (``hashes``: their H_c), as an int.
+
+    The same sum as :func:`run_fingerprints` (int64, wrapping, so its low 31 bits are exact).
+    """
+    return int(torch.bitwise_and(L, _HASH_MASK).mul_(hashes).sum())
 
 
 def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
@@ -54,7 +67,7 @@ def resync_parts(comm, x: torch.Tensor, step: int, parts: list[tuple[int, int]])
 
 
 class GuardRecord:
-    """Wrapped parts per tensor (and group), resyncs and mixing steps; identical on every rank."""
+    """Wrapped parts per tensor (and group), resyncs and mixing steps (identical on every rank when synchronous)."""
 
     def __init__(self, names: list[str]):
         self.names = names
@@ -91,6 +104,14 @@ class GuardRecord:
             largest[group] = max(largest[group], t)
         return {"moniqua_theta_max": largest, "moniqua_wrapped": self.group_counts(),
                 "moniqua_wrapped_parts": self.total(), "moniqua_resyncs": self.resyncs}
+
+    def summed(self, comm) -> GuardRecord:
+        """Collective: a record of every rank's counts added up (for asynchronous algorithms, whose records differ)."""
+        total = GuardRecord(self.names)
+        counts = torch.cat([self.wrapped, torch.tensor([self.resyncs, self.steps])]).double()
+        counts = comm.allreduce(counts).long()
+        total.wrapped, total.resyncs, total.steps = counts[:-2], int(counts[-2]), int(counts[-1])
+        return total
 
     def summarise(self, rank: int, guard: str) -> None:
         """Rank 0 logs one warning summing up the wrapped parts, if there were any."""

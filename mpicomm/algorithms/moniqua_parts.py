@@ -26,7 +26,7 @@ import torch
 from ..codecs import bitpack
 from ..codecs.lattice import packed_bytes
 
-__all__ = ["FINGERPRINT_BYTES", "Chunk", "PartLayout", "tensor_inf"]
+__all__ = ["FINGERPRINT_BYTES", "Chunk", "PartLayout", "local_step_sizes", "tensor_inf"]
 
 FINGERPRINT_BYTES = 4
 """Header bytes per tensor (an int32 fingerprint of its part)."""
@@ -138,3 +138,17 @@ def tensor_inf(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     magnitude = flat.detach().abs()
     return torch.stack([t.amax() if t.numel() else t.new_full((), -math.inf)
                         for t in magnitude.split(sizes)]).double().cpu()
+
+
+def local_step_sizes(grad: torch.Tensor, lr: float, optimizer, sizes: list[int]) -> torch.Tensor:
+    """``||lr (mu buf + grad)_l||_inf`` per tensor: the local SGD step about to be taken (theta's statistic).
+
+    ``buf`` is the torch SGD ``optimizer``'s momentum buffer (None, or no momentum: ``lr ||grad_l||_inf``).
+    """
+    buf, mu = None, 0.0
+    if optimizer is not None:
+        group = optimizer.param_groups[0]
+        mu = group["momentum"]
+        buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
+    step = grad if buf is None else torch.add(grad, buf, alpha=mu)
+    return tensor_inf(step, sizes) * lr
