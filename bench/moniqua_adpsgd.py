@@ -4,7 +4,7 @@
 
 Same setting as bench/moniqua.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all ranks,
 equal-speed ranks); rows: D-PSGD, AD-PSGD, Moniqua-AD-PSGD at its default (4 bits on a rotating quarter of
-each tensor, dither, theta per tensor), in the paper's form (1 bit on every coordinate, one theta, nearest)
+each tensor, nearest rounding, theta per tensor), in the paper's form (1 bit on every coordinate, one theta, nearest)
 and at 8 bits on every coordinate. The asynchronous rows depend on the ranks' timing (one run, one seed).
 Bytes: *received* per rank during training (AD-PSGD's traffic is one-sided reads, booked on the reader;
 for the synchronous ring, received = sent). Writes bench/results/moniqua_adpsgd.json.
