@@ -39,15 +39,15 @@ codec reproduces it bit for bit (see ``compressed_sgd``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from .buckets import GradBuckets, check_bucket_options
 from .registry import register
 
-__all__ = ["AllReduceSGD", "AllReduceSGDConfig", "GradBuckets"]
+__all__ = ["AllReduceSGD", "AllReduceSGDConfig"]
 
 
 @dataclass(frozen=True)
@@ -62,83 +62,7 @@ class AllReduceSGDConfig(AlgorithmConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
-        for name in ("bucket_numel", "first_bucket_numel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            check_range(name, value, lo=1)
-
-
-class GradBuckets:
-    """Contiguous buckets of the flat gradient, each ``iallreduce``-d once all its parameters have gradients."""
-
-    def __init__(self, algo: Algorithm, bucket_numel: int, first_bucket_numel: int):
-        self.algo = algo
-        self.ranges: list[list[int]] = []  # [lo, hi) of each bucket, in launch order
-        self.size: list[int] = []  # parameters per bucket
-        self.owner: list[int] = [0] * len(algo.flat.layers)
-        full = True
-        for index in reversed(range(len(algo.flat.layers))):
-            layer = algo.flat.layers[index]
-            if full:
-                self.ranges.append([layer.offset, layer.offset + layer.numel])
-                self.size.append(0)
-            self.ranges[-1][0] = layer.offset
-            self.owner[index] = len(self.ranges) - 1
-            self.size[-1] += 1
-            least = min(bucket_numel, first_bucket_numel) if len(self.ranges) == 1 else bucket_numel
-            full = self.ranges[-1][1] - self.ranges[-1][0] >= least
-        self.handles: list = []
-        self.waiting = list(self.size)
-        self.ready = [False] * len(algo.flat.params)
-        self.first_launch: dict | None = None  # ledger totals before the first launch of this step
-        for index, param in enumerate(algo.flat.params):
-            param.register_hook(functools.partial(self._check_first, index))
-            param.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
-
-    def _check_first(self, index: int, grad: torch.Tensor) -> None:
-        """Hook before accumulation: refuse a second gradient for a parameter whose bucket may be in flight."""
-        if self.ready[index]:
-            raise RuntimeError("allreduce_sgd(overlap=True) takes one backward pass per step (this one was "
-                               "refused, the previous gradients are kept); use algo.accumulate(n) to sum "
-                               "several backward passes")
-
-    def _ready(self, index: int, param: torch.Tensor) -> None:
-        """Hook: parameter ``index`` has its gradient; launch every bucket that is now complete, in order.
-
-        Only during the last micro-batch of an accumulation (:meth:`Algorithm.accumulate`).
-        """
-        if self.algo.pending_micro_batches + 1 < self.algo.accumulation:
-            return
-        layer = self.algo.flat.layers[index]
-        view = self.algo.flat.grad[layer.offset:layer.offset + layer.numel]
-        if param.grad.data_ptr() != view.data_ptr():  # autograd replaced the view (grad was None)
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view(layer.shape)
-        self.ready[index] = True
-        self.waiting[self.owner[index]] -= 1
-        if self.handles:
-            self.handles[-1].test()  # let MPI progress the newest pending allreduce
-        self._launch(only_complete=True)
-
-    def _launch(self, only_complete: bool) -> None:
-        """Launch the next buckets in order: all of them, or while the next one is complete."""
-        while len(self.handles) < len(self.ranges) and not (only_complete and self.waiting[len(self.handles)]):
-            if not self.handles:
-                self.first_launch = self.algo.comm.ledger.totals()
-            lo, hi = self.ranges[len(self.handles)]
-            self.handles.append(self.algo.comm.iallreduce(self.algo.flat.grad[lo:hi]))
-
-    def finish(self) -> dict | None:
-        """Launch the remaining buckets, wait for all, reset for the next step; return ``first_launch``."""
-        self._launch(only_complete=False)
-        for handle in self.handles:
-            handle.wait()
-        first, self.first_launch = self.first_launch, None
-        self.handles, self.waiting, self.ready = [], list(self.size), [False] * len(self.ready)
-        return first
+        check_bucket_options(self)
 
 
 @register
@@ -154,7 +78,8 @@ class AllReduceSGD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
-        self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel)
+        self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel,
+                                    lambda lo, hi: self.comm.iallreduce(self.flat.grad[lo:hi]))
                         if self.config.overlap else None)
         self._first_launch: dict | None = None
 
@@ -175,7 +100,7 @@ class AllReduceSGD(Algorithm):
             self._first_launch = None
             self.comm.allreduce(grad)
         else:
-            self._first_launch = self.buckets.finish()
+            _, self._first_launch = self.buckets.finish()
             super()._prepare(grad)
         grad.div_(self.comm.size)
         self._clip(grad)
