@@ -43,30 +43,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
-from .buckets import GradBuckets, check_bucket_options
+from .base import Algorithm, clone_optimizer_state
+from .buckets import GradBuckets, LaunchedTraffic, OverlapConfig
 from .registry import register
 
 __all__ = ["AllReduceSGD", "AllReduceSGDConfig"]
 
 
 @dataclass(frozen=True)
-class AllReduceSGDConfig(AlgorithmConfig):
-    """overlap: allreduce gradient buckets during backward. bucket_numel: minimum elements per bucket
-    (25 MiB of fp32, as DDP). first_bucket_numel: minimum elements of the first bucket launched, the last
-    layers' (1 MiB of fp32, as DDP; the smaller of the two applies)."""
-
-    overlap: bool = False
-    bucket_numel: int = 25 * 2**20 // 4
-    first_bucket_numel: int = 2**20 // 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_bucket_options(self)
+class AllReduceSGDConfig(OverlapConfig):
+    """overlap: allreduce gradient buckets during backward (bucket sizes: see OverlapConfig)."""
 
 
 @register
-class AllReduceSGD(Algorithm):
+class AllReduceSGD(LaunchedTraffic, Algorithm):
     """Exact gradient averaging by allreduce, then local (momentum) SGD; parameters identical on all ranks."""
 
     name = "allreduce_sgd"
@@ -81,14 +71,6 @@ class AllReduceSGD(Algorithm):
         self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel,
                                     lambda lo, hi: self.comm.iallreduce(self.flat.grad[lo:hi]))
                         if self.config.overlap else None)
-        self._first_launch: dict | None = None
-
-    def step(self) -> None:
-        """As :meth:`Algorithm.step`; with overlap, the step's traffic also counts buckets sent during backward."""
-        super().step()
-        if self._first_launch is not None and not self.pending_micro_batches:
-            now = self.comm.ledger.totals()
-            self._last_step = {k: now[k] - self._first_launch[k] for k in now}
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """With overlap the buckets may be in flight: scaling the accumulation waits for :meth:`_step`."""

@@ -23,23 +23,51 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, check_range
+from .base import Algorithm, AlgorithmConfig, check_range
 
-__all__ = ["GradBuckets", "check_bucket_options"]
+__all__ = ["GradBuckets", "LaunchedTraffic", "OverlapConfig"]
 
 
-def check_bucket_options(config) -> None:
-    """Type and range checks of a config's ``overlap``, ``bucket_numel`` and ``first_bucket_numel``."""
-    if not isinstance(config.overlap, bool):
-        raise TypeError(f"overlap must be a bool, got {type(config.overlap).__name__}")
-    for name in ("bucket_numel", "first_bucket_numel"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        check_range(name, value, lo=1)
+@dataclass(frozen=True)
+class OverlapConfig(AlgorithmConfig):
+    """overlap: communicate gradient buckets during backward. bucket_numel: minimum elements per bucket
+    (25 MiB of fp32, as DDP). first_bucket_numel: minimum elements of the first bucket launched, the last
+    layers' (1 MiB of fp32, as DDP; the smaller of the two applies)."""
+
+    overlap: bool = False
+    bucket_numel: int = 25 * 2**20 // 4
+    first_bucket_numel: int = 2**20 // 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
+        for name in ("bucket_numel", "first_bucket_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            check_range(name, value, lo=1)
+
+
+class LaunchedTraffic:
+    """Mixin for an :class:`Algorithm` whose buckets launch during backward, before ``step()``.
+
+    The subclass sets ``_first_launch`` (ledger totals before the step's first launch, or None without
+    overlap) in its ``_step``; the step's traffic in :meth:`Algorithm.stats` then counts from there.
+    """
+
+    _first_launch: dict | None = None
+
+    def step(self) -> None:
+        """As :meth:`Algorithm.step`; with overlap, the step's traffic also counts buckets sent during backward."""
+        super().step()
+        if self._first_launch is not None and not self.pending_micro_batches:
+            now = self.comm.ledger.totals()
+            self._last_step = {k: now[k] - self._first_launch[k] for k in now}
 
 
 def _cut(algo: Algorithm, bucket_numel: int, first_bucket_numel: int, align: int) -> list[list[int]]:
