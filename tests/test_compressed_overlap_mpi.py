@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
+from mpicomm.comm import Communicator
 
 from .algo_common import loss, make_model
 from .conftest import run_all
@@ -152,5 +154,36 @@ def test_overlap_refuses_a_second_backward(comm):
         with pytest.raises(RuntimeError, match=r"qsgd\(overlap=True\) takes one backward pass per step"):
             loss(algo.model, comm.Get_rank(), 1).backward()
         algo.step()
+
+    run_all(comm, body)
+
+
+def three_equal_layers(seed: int = 0) -> torch.nn.Module:
+    """Three 8x8 linear layers: with bucket_numel=72 three buckets of equal size, all in flight together."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 8))
+
+
+def equal_layers_loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return model(torch.randn(4, 8, generator=g)).square().mean()
+
+
+@pytest.mark.parametrize("name,options", [("qsgd", {"bits": 4, "bucket_size": 8}), ("allreduce_sgd", {})])
+def test_overlap_through_staged_host_buffers(comm, name, options):
+    """stage="always" (the path of CUDA tensors with an MPI that is not CUDA-aware): same-sized buckets in
+    flight together must not share a staging buffer."""
+    def body():
+        def build(**extra):
+            c = Communicator(comm, topo.ring(comm.Get_size()), stage="always")
+            return make_algorithm(name, three_equal_layers(), c, lr=0.1, momentum=0.9, **options, **extra)
+
+        plain, over = build(), build(overlap=True, bucket_numel=72, first_bucket_numel=72)
+        ranges = (over.buckets if name == "allreduce_sgd" else over.overlapped.buckets).ranges
+        assert ranges == [[144, 216], [72, 144], [0, 72]]
+        run(plain, 3, equal_layers_loss)
+        run(over, 3, equal_layers_loss)
+        assert torch.equal(over.flat.data, plain.flat.data)
 
     run_all(comm, body)
