@@ -21,7 +21,8 @@ backward produces them), the first of at least ``first_bucket_numel`` elements a
 least ``bucket_numel`` (as DDP: a 1 MiB first bucket starts communication as soon as the last layers
 have their gradients, 25 MiB after it keeps the number of collectives small); a
 ``register_post_accumulate_grad_hook`` on each parameter counts down its bucket and, when a bucket is
-complete, ``iallreduce``-s its slice. Buckets are launched strictly in bucket order (a complete bucket
+complete, ``iallreduce``-s its slice (:class:`~mpicomm.algorithms.buckets.GradBuckets`).
+Buckets are launched strictly in bucket order (a complete bucket
 waits for the ones before it), so every rank issues the same collectives in the same order even if
 its hooks fire in another order; ``step()`` launches any bucket still incomplete (parameters that got
 no gradient) and waits for all. The sums are the same element-wise sums as the single allreduce,

@@ -71,11 +71,13 @@ __all__ = [
     "CompressedSGD",
     "CompressedSGDConfig",
     "EFSignSGD",
+    "EFSignSGDConfig",
     "GlobalScaleConfig",
     "QSGD",
     "QSGDConfig",
     "SignSGD",
     "TernGrad",
+    "TernGradConfig",
     "build_codec",
 ]
 
