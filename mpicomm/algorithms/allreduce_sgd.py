@@ -21,7 +21,8 @@ backward produces them), the first of at least ``first_bucket_numel`` elements a
 least ``bucket_numel`` (as DDP: a 1 MiB first bucket starts communication as soon as the last layers
 have their gradients, 25 MiB after it keeps the number of collectives small); a
 ``register_post_accumulate_grad_hook`` on each parameter counts down its bucket and, when a bucket is
-complete, ``iallreduce``-s its slice. Buckets are launched strictly in bucket order (a complete bucket
+complete, ``iallreduce``-s its slice (:class:`~mpicomm.algorithms.buckets.GradBuckets`).
+Buckets are launched strictly in bucket order (a complete bucket
 waits for the ones before it), so every rank issues the same collectives in the same order even if
 its hooks fire in another order; ``step()`` launches any bucket still incomplete (parameters that got
 no gradient) and waits for all. The sums are the same element-wise sums as the single allreduce,
@@ -39,110 +40,24 @@ codec reproduces it bit for bit (see ``compressed_sgd``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from .base import Algorithm, clone_optimizer_state
+from .buckets import GradBuckets, LaunchedTraffic, OverlapConfig
 from .registry import register
 
-__all__ = ["AllReduceSGD", "AllReduceSGDConfig", "GradBuckets"]
+__all__ = ["AllReduceSGD", "AllReduceSGDConfig"]
 
 
 @dataclass(frozen=True)
-class AllReduceSGDConfig(AlgorithmConfig):
-    """overlap: allreduce gradient buckets during backward. bucket_numel: minimum elements per bucket
-    (25 MiB of fp32, as DDP). first_bucket_numel: minimum elements of the first bucket launched, the last
-    layers' (1 MiB of fp32, as DDP; the smaller of the two applies)."""
-
-    overlap: bool = False
-    bucket_numel: int = 25 * 2**20 // 4
-    first_bucket_numel: int = 2**20 // 4
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
-        for name in ("bucket_numel", "first_bucket_numel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            check_range(name, value, lo=1)
-
-
-class GradBuckets:
-    """Contiguous buckets of the flat gradient, each ``iallreduce``-d once all its parameters have gradients."""
-
-    def __init__(self, algo: Algorithm, bucket_numel: int, first_bucket_numel: int):
-        self.algo = algo
-        self.ranges: list[list[int]] = []  # [lo, hi) of each bucket, in launch order
-        self.size: list[int] = []  # parameters per bucket
-        self.owner: list[int] = [0] * len(algo.flat.layers)
-        full = True
-        for index in reversed(range(len(algo.flat.layers))):
-            layer = algo.flat.layers[index]
-            if full:
-                self.ranges.append([layer.offset, layer.offset + layer.numel])
-                self.size.append(0)
-            self.ranges[-1][0] = layer.offset
-            self.owner[index] = len(self.ranges) - 1
-            self.size[-1] += 1
-            least = min(bucket_numel, first_bucket_numel) if len(self.ranges) == 1 else bucket_numel
-            full = self.ranges[-1][1] - self.ranges[-1][0] >= least
-        self.handles: list = []
-        self.waiting = list(self.size)
-        self.ready = [False] * len(algo.flat.params)
-        self.first_launch: dict | None = None  # ledger totals before the first launch of this step
-        for index, param in enumerate(algo.flat.params):
-            param.register_hook(functools.partial(self._check_first, index))
-            param.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
-
-    def _check_first(self, index: int, grad: torch.Tensor) -> None:
-        """Hook before accumulation: refuse a second gradient for a parameter whose bucket may be in flight."""
-        if self.ready[index]:
-            raise RuntimeError("allreduce_sgd(overlap=True) takes one backward pass per step (this one was "
-                               "refused, the previous gradients are kept); use algo.accumulate(n) to sum "
-                               "several backward passes")
-
-    def _ready(self, index: int, param: torch.Tensor) -> None:
-        """Hook: parameter ``index`` has its gradient; launch every bucket that is now complete, in order.
-
-        Only during the last micro-batch of an accumulation (:meth:`Algorithm.accumulate`).
-        """
-        if self.algo.pending_micro_batches + 1 < self.algo.accumulation:
-            return
-        layer = self.algo.flat.layers[index]
-        view = self.algo.flat.grad[layer.offset:layer.offset + layer.numel]
-        if param.grad.data_ptr() != view.data_ptr():  # autograd replaced the view (grad was None)
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view(layer.shape)
-        self.ready[index] = True
-        self.waiting[self.owner[index]] -= 1
-        if self.handles:
-            self.handles[-1].test()  # let MPI progress the newest pending allreduce
-        self._launch(only_complete=True)
-
-    def _launch(self, only_complete: bool) -> None:
-        """Launch the next buckets in order: all of them, or while the next one is complete."""
-        while len(self.handles) < len(self.ranges) and not (only_complete and self.waiting[len(self.handles)]):
-            if not self.handles:
-                self.first_launch = self.algo.comm.ledger.totals()
-            lo, hi = self.ranges[len(self.handles)]
-            self.handles.append(self.algo.comm.iallreduce(self.algo.flat.grad[lo:hi]))
-
-    def finish(self) -> dict | None:
-        """Launch the remaining buckets, wait for all, reset for the next step; return ``first_launch``."""
-        self._launch(only_complete=False)
-        for handle in self.handles:
-            handle.wait()
-        first, self.first_launch = self.first_launch, None
-        self.handles, self.waiting, self.ready = [], list(self.size), [False] * len(self.ready)
-        return first
+class AllReduceSGDConfig(OverlapConfig):
+    """overlap: allreduce gradient buckets during backward (bucket sizes: see OverlapConfig)."""
 
 
 @register
-class AllReduceSGD(Algorithm):
+class AllReduceSGD(LaunchedTraffic, Algorithm):
     """Exact gradient averaging by allreduce, then local (momentum) SGD; parameters identical on all ranks."""
 
     name = "allreduce_sgd"
@@ -154,16 +69,9 @@ class AllReduceSGD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
-        self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel)
+        self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel,
+                                    lambda lo, hi: self.comm.iallreduce(self.flat.grad[lo:hi]))
                         if self.config.overlap else None)
-        self._first_launch: dict | None = None
-
-    def step(self) -> None:
-        """As :meth:`Algorithm.step`; with overlap, the step's traffic also counts buckets sent during backward."""
-        super().step()
-        if self._first_launch is not None and not self.pending_micro_batches:
-            now = self.comm.ledger.totals()
-            self._last_step = {k: now[k] - self._first_launch[k] for k in now}
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """With overlap the buckets may be in flight: scaling the accumulation waits for :meth:`_step`."""
@@ -175,7 +83,7 @@ class AllReduceSGD(Algorithm):
             self._first_launch = None
             self.comm.allreduce(grad)
         else:
-            self._first_launch = self.buckets.finish()
+            _, self._first_launch = self.buckets.finish()
             super()._prepare(grad)
         grad.div_(self.comm.size)
         self._clip(grad)

@@ -37,6 +37,18 @@ With a user optimizer (``optimizer=opt``; not with error feedback, whose compres
 step alpha g + e itself) the last line is ``opt.step()`` on u. ``clip_grad_norm_`` clips u (the
 aggregated direction, the same on every rank; not with error feedback).
 
+``overlap=True`` (``compressed_sgd``, ``qsgd``, ``signsgd``) encodes and ``iallgather``-s gradient buckets
+while backward is still running, DDP's buckets with their boundaries moved to multiples of the codec's
+``split_alignment`` (QSGD: bucket_size), and decodes and sums them after backward
+(:class:`~mpicomm.algorithms.overlapped_sum.OverlappedPayloadSum`). Every step of the update above is
+elementwise once the scales are known, and each QSGD scale block lies inside one bucket, so the result is
+bit-identical to the whole-gradient path, random stream included (the uniforms are drawn for the whole
+gradient at the first launch, as one encode would draw them). Refused, with a ValueError: ``terngrad``
+(one max-norm scale over the whole gradient; ``qsgd`` with bits=2 and a bucket_size is its per-bucket
+form), ``ef_signsgd`` (one l1 scale over the whole step) and any codec with a global scale (uniform,
+top-k, random-k, hsq, sign with an l1/l2 scale, qsgd with bucket_size=None). Wire bytes: each bucket's
+bit codes are padded to a whole byte, so at most one byte more per bucket than one payload.
+
 Memory beyond the model: the codec's scratch, O(log n) decode buffers, torch's momentum buffer, and
 for error feedback the error vector e (d floats). State (momentum, e, codec RNG) is in state_dict().
 """
@@ -50,17 +62,22 @@ import torch
 
 from ..codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from .allgather_sum import PayloadSum
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from .base import Algorithm, check_range, clone_optimizer_state
+from .buckets import LaunchedTraffic, OverlapConfig
+from .overlapped_sum import OverlappedPayloadSum
 from .registry import register
 
 __all__ = [
     "CompressedSGD",
     "CompressedSGDConfig",
     "EFSignSGD",
+    "EFSignSGDConfig",
+    "GlobalScaleConfig",
     "QSGD",
     "QSGDConfig",
     "SignSGD",
     "TernGrad",
+    "TernGradConfig",
     "build_codec",
 ]
 
@@ -88,10 +105,15 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     check_range(name, value, lo=lo, hi=hi)
 
 
+OVERLAP_CODECS = "identity, fp16, bf16, qsgd (a scale per bucket_size elements) and sign with scale=none"
+
+
 @dataclass(frozen=True)
-class CompressedSGDConfig(AlgorithmConfig):
+class CompressedSGDConfig(OverlapConfig):
     """codec: a name in ``mpicomm.codecs.CODECS``; codec_options: its keyword arguments (not seed);
-    error_feedback: compress alpha*g + e and keep e (EF-SGD)."""
+    error_feedback: compress alpha*g + e and keep e (EF-SGD). overlap: encode and allgather gradient
+    buckets during backward (codecs whose encoding can be cut only: identity, fp16, bf16, qsgd, sign with
+    scale=none)."""
 
     codec: str = "identity"
     codec_options: dict = field(default_factory=dict)
@@ -101,12 +123,16 @@ class CompressedSGDConfig(AlgorithmConfig):
         super().__post_init__()
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {self.error_feedback!r}")
-        build_codec(self.codec, self.codec_options, self.seed)
+        codec = build_codec(self.codec, self.codec_options, self.seed)
+        if self.overlap and codec.split_alignment() is None:
+            raise ValueError(f"compressed_sgd cannot overlap with {codec!r}: its encoding has one scale over the "
+                             f"whole gradient, known only after backward; overlap works with {OVERLAP_CODECS}")
 
 
 @dataclass(frozen=True)
-class QSGDConfig(AlgorithmConfig):
-    """bits: 1 sign + bits-1 magnitude bits per element, in [2, 8]; bucket_size: elements per max-norm scale."""
+class QSGDConfig(OverlapConfig):
+    """bits: 1 sign + bits-1 magnitude bits per element, in [2, 8]; bucket_size: elements per max-norm scale.
+    overlap: encode and allgather gradient buckets (cut on multiples of bucket_size) during backward."""
 
     bits: int = 4
     bucket_size: int = 512
@@ -117,8 +143,39 @@ class QSGDConfig(AlgorithmConfig):
         _check_int("bucket_size", self.bucket_size, 1)
 
 
+@dataclass(frozen=True)
+class GlobalScaleConfig(OverlapConfig):
+    """overlap: refused (ValueError): the method's one scale spans the whole gradient."""
+
+    method = "this method"
+    refusal = "its compression has one scale over the whole gradient, known only after backward"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.overlap:
+            raise ValueError(f"{self.method} cannot overlap: {self.refusal}")
+
+
+@dataclass(frozen=True)
+class TernGradConfig(GlobalScaleConfig):
+    """TernGrad's options (no overlap: one max-norm scale)."""
+
+    method = "terngrad"
+    refusal = ("its one max-norm scale spans the whole gradient, known only after backward (qsgd with bits=2 "
+               "and a bucket_size is TernGrad with a scale per bucket, and overlaps)")
+
+
+@dataclass(frozen=True)
+class EFSignSGDConfig(GlobalScaleConfig):
+    """EF-SignSGD's options (no overlap: one l1 scale)."""
+
+    method = "ef_signsgd"
+    refusal = ("its scale ||p||_1 / d spans the whole step p = lr*g + e, known only after backward (a scale "
+               "per bucket would be another method)")
+
+
 @register
-class CompressedSGD(Algorithm):
+class CompressedSGD(LaunchedTraffic, Algorithm):
     """Allgather of codec payloads, decode and average (or vote) on every rank, then local SGD."""
 
     name = "compressed_sgd"
@@ -133,6 +190,8 @@ class CompressedSGD(Algorithm):
         self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
         self.error = torch.zeros_like(self.flat.data) if self._error_feedback() else None
         self.optimizer = self._local_sgd()
+        self.overlapped = (OverlappedPayloadSum(self, self.codec, self.error, self.config.bucket_numel,
+                                                self.config.first_bucket_numel) if self.config.overlap else None)
 
     def _check_user_optimizer(self, optimizer):
         if self.error is not None:
@@ -158,19 +217,32 @@ class CompressedSGD(Algorithm):
         """Turn the sum of the n decoded payloads into the update direction, in place (here: the mean)."""
         return total.div_(self.comm.size)
 
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """With overlap each bucket was divided by the micro-batch count before its encode: nothing here."""
+        if self.overlapped is None:
+            super()._prepare(grad)
+
+    def _exchange(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad <- sum_r decode(C(p_r))`` with p = g, or alpha*g + e and e <- p - C(p); returns ``grad``."""
+        if self.overlapped is not None:
+            self._first_launch = self.overlapped.finish(grad)
+            return grad
+        self._first_launch = None
+        if self.error is not None:
+            grad.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient buffer
+        payload = self.codec.encode(grad)
+        if self.error is not None:
+            self.codec.decode(payload, self.flat.numel, out=self.error)  # Delta = C(p), what every rank decodes
+            torch.sub(grad, self.error, out=self.error)  # e <- p - Delta
+        return self.payload_sum(payload, out=grad)
+
     def _step(self, grad: torch.Tensor) -> None:
+        self._aggregate(self._exchange(grad))
         if self.error is None:
-            payload = self.codec.encode(grad)
-            self._aggregate(self.payload_sum(payload, out=grad))
             self._clip(grad)
             self._decayed(grad)
             self._local_step()
             return
-        p = grad.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient buffer
-        payload = self.codec.encode(p)
-        self.codec.decode(payload, self.flat.numel, out=self.error)  # Delta = C(p), what every rank decodes
-        torch.sub(p, self.error, out=self.error)  # e <- p - Delta
-        self._aggregate(self.payload_sum(payload, out=grad))
         if self.config.weight_decay:
             grad.add_(self.flat.data, alpha=self.lr * self.config.weight_decay)
         self._sgd_step(self.optimizer, 1.0)
@@ -207,7 +279,7 @@ class TernGrad(CompressedSGD):
     """TernGrad: gradients in max|g| * {-1, 0, +1}, stochastic and unbiased."""
 
     name = "terngrad"
-    config_class = AlgorithmConfig
+    config_class = TernGradConfig
 
     def _make_codec(self, seed):
         return TernGradCodec(seed=seed)
@@ -221,7 +293,7 @@ class SignSGD(CompressedSGD):
     """SignSGD with majority vote: step along sign(sum_r sign(g_r)) (ties give 0)."""
 
     name = "signsgd"
-    config_class = AlgorithmConfig
+    config_class = OverlapConfig
 
     def _make_codec(self, seed):
         return SignCodec(scale="none")
@@ -238,7 +310,7 @@ class EFSignSGD(CompressedSGD):
     """EF-SignSGD: error-compensated scaled sign (||p||_1/d) sign(p) of p = alpha*g + e, averaged."""
 
     name = "ef_signsgd"
-    config_class = AlgorithmConfig
+    config_class = EFSignSGDConfig
     takes_optimizer = False
     optimizer_refusal = ("its error feedback compresses lr * g, so the step is part of the method; "
                          "set lr, momentum and weight_decay instead")

@@ -67,6 +67,12 @@ class Codec(abc.ABC):
         """``decode(encode(x))``: what a receiver reconstructs; error-feedback algorithms use it."""
         return self.decode(self.encode(x), x.numel())
 
+    def split_alignment(self) -> int | None:
+        """Where the encoding can be cut: an ``a`` such that encoding and decoding the pieces of x cut at
+        multiples of ``a`` gives, bit for bit, the pieces of ``decode(encode(x))`` (given the same random
+        draws); None when the encoding is global (one scale over the whole tensor). None here."""
+        return None
+
     def bits_per_element(self, numel: int) -> float:
         """Bits on the wire per element for a tensor of ``numel`` elements."""
         return 8.0 * self.payload_bytes(numel) / max(numel, 1)

@@ -31,6 +31,10 @@ class IdentityCodec(Codec):
         """``numel`` times the item size of ``dtype``."""
         return check_numel(numel, "IdentityCodec.payload_bytes") * self._itemsize
 
+    def split_alignment(self) -> int:
+        """1: every element is encoded alone."""
+        return 1
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """A fresh copy of ``x`` as ``dtype``, viewed as bytes (never aliases ``x``)."""
         check_flat_float(x, "IdentityCodec.encode")

@@ -70,9 +70,31 @@ class QSGDCodec(Codec):
             parts.append((t[full * b :].view(1, m - full * b), slice(full, full + 1)))
         return parts
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-bucket scales followed by the packed two's-complement codes of q."""
+    def split_alignment(self) -> int | None:
+        """``bucket_size``: each bucket has its own scale (None for one scale over the whole tensor)."""
+        return self.bucket_size
+
+    def draw_uniforms(self, numel: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``numel`` uniforms ``encode`` of a ``numel``-element tensor on ``device`` would draw, drawn now.
+
+        The generator advances exactly as that encode's would (same chunks, same calls), so encoding
+        pieces ``x[lo:hi]`` with ``uniforms=u[lo:hi]``, in any order, gives the codes the single encode
+        would give.
+        """
+        out = prepare_out(out, check_numel(numel, "QSGDCodec.draw_uniforms"), device, "QSGDCodec.draw_uniforms")
+        for start, stop in chunk_ranges(numel, self._chunk(device)):
+            self._rng.uniform_(out[start:stop])
+        return out
+
+    def encode(self, x: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-bucket scales followed by the packed two's-complement codes of q.
+
+        ``uniforms``: x.numel() values from :meth:`draw_uniforms` to round with instead of drawing.
+        """
         check_flat_float(x, "QSGDCodec.encode")
+        if uniforms is not None and uniforms.shape != x.shape:
+            raise ValueError(f"QSGDCodec.encode: uniforms must have shape {tuple(x.shape)}, "
+                             f"got {tuple(uniforms.shape)}")
         x, n, bits, dev = x.detach(), x.numel(), self.bits, x.device
         nb = self.num_buckets(n)
         payload = torch.empty(self.payload_bytes(n), dtype=torch.uint8, device=dev)
@@ -91,7 +113,7 @@ class QSGDCodec(Codec):
             yc, qc = y[:m], q[:m]
             xc = x[start:stop] if x32 is None else x32[:m].copy_(x[start:stop])
             if self.bucket_size is None:
-                self._rng.uniform_(yc).add_(xc, alpha=inv_whole)
+                self._uniform(yc, uniforms, start).add_(xc, alpha=inv_whole)
             else:
                 torch.abs(xc, out=yc)
                 first = start // self.bucket_size
@@ -100,7 +122,7 @@ class QSGDCodec(Codec):
                     scale = yrows.amax(dim=1)
                     write_field(payload, 4 * (first + idx.start), scale)
                     invs.append(torch.where(scale > 0, self.s / scale, torch.zeros_like(scale)))
-                self._rng.uniform_(yc)
+                self._uniform(yc, uniforms, start)
                 for (rows, _), (yrows, _), inv in zip(self._bucket_rows(xc), self._bucket_rows(yc), invs):
                     yrows.addcmul_(rows, inv[:, None])
             yc.floor_().clamp_(-self.s, self.s)
@@ -111,6 +133,12 @@ class QSGDCodec(Codec):
             out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
             bitpack.pack(codes, bits, out=out, check=False)
         return payload
+
+    def _uniform(self, yc: torch.Tensor, uniforms: torch.Tensor | None, start: int) -> torch.Tensor:
+        """Fill the chunk ``yc`` (at ``start``) with fresh draws, or with the given ``uniforms``."""
+        if uniforms is None:
+            return self._rng.uniform_(yc)
+        return yc.copy_(uniforms[start:start + yc.numel()])
 
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``q * scale / s`` per element, with ``q`` sign-extended from its ``bits``-bit code."""

@@ -41,6 +41,10 @@ class SignCodec(Codec):
         """``4`` scale bytes (unless scale="none") plus ``ceil(numel/8)``."""
         return self._header + bitpack.packed_bytes(check_numel(numel, "SignCodec.payload_bytes"), 1)
 
+    def split_alignment(self) -> int | None:
+        """1 for scale="none" (elementwise signs); None otherwise (one scale over the whole tensor)."""
+        return 1 if self.scale == "none" else None
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Scale header (if any) followed by the packed bits of ``x >= 0``."""
         check_flat_float(x, "SignCodec.encode")

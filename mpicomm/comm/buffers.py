@@ -79,7 +79,8 @@ class BufferRouter:
             raise ValueError(f"stage must be 'auto', 'always' or 'never', got {stage!r}")
         self.cuda_aware = cuda_aware
         self.stage = stage
-        self._host: dict[tuple, torch.Tensor] = {}
+        self._host: dict[tuple, list[torch.Tensor]] = {}  # a pool per (slot, shape, dtype)
+        self._held: set[int] = set()  # ids of pool buffers a pending non-blocking operation still uses
 
     def _needs_staging(self, t: torch.Tensor) -> bool:
         if self.stage == "always":
@@ -88,40 +89,59 @@ class BufferRouter:
             return False
         return not self.cuda_aware
 
-    def _host_buffer(self, slot: str, t: torch.Tensor) -> torch.Tensor:
-        key = (slot, tuple(t.shape), t.dtype)
-        buf = self._host.get(key)
+    def _host_buffer(self, slot: str, t: torch.Tensor, hold: bool) -> torch.Tensor:
+        """A free host buffer like ``t`` (allocated once, reused); ``hold``: keep it until :meth:`release`."""
+        pool = self._host.setdefault((slot, tuple(t.shape), t.dtype), [])
+        buf = next((b for b in pool if id(b) not in self._held), None)
         if buf is None:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            self._host[key] = buf
+            pool.append(buf)
+        if hold:
+            self._held.add(id(buf))
         return buf
 
-    def outbound(self, slot: str, t: torch.Tensor) -> torch.Tensor:
-        """The tensor MPI should read ``t`` from (``t`` itself, or a filled host copy)."""
+    def release(self, buf: torch.Tensor) -> None:
+        """A non-blocking operation that staged through ``buf`` is complete: the buffer may be reused."""
+        self._held.discard(id(buf))
+
+    def outbound(self, slot: str, t: torch.Tensor, hold: bool = False) -> torch.Tensor:
+        """The tensor MPI should read ``t`` from (``t`` itself, or a filled host copy).
+
+        ``hold`` (non-blocking operations): a staging buffer stays reserved until :meth:`release`, so
+        operations in flight together never share one.
+        """
         if not t.is_contiguous():
             raise ValueError(f"{slot}: MPI buffers must be contiguous; call .contiguous() first")
         if not self._needs_staging(t):
             if t.is_cuda:
                 torch.cuda.current_stream(t.device).synchronize()
             return t
-        host = self._host_buffer(slot + ":out", t)
+        host = self._host_buffer(slot + ":out", t, hold)
         host.copy_(t)
         return host
 
-    def inbound(self, slot: str, t: torch.Tensor) -> tuple[torch.Tensor, callable]:
-        """The tensor MPI should write into for ``t``, and a function that lands it in ``t`` afterwards."""
+    def inbound(self, slot: str, t: torch.Tensor, hold: bool = False) -> tuple[torch.Tensor, callable]:
+        """The tensor MPI should write into for ``t``, and a function that lands it in ``t`` afterwards.
+
+        ``hold``: as for :meth:`outbound`; landing releases the buffer.
+        """
         if not t.is_contiguous():
             raise ValueError(f"{slot}: MPI buffers must be contiguous; call .contiguous() first")
         if not self._needs_staging(t):
             if t.is_cuda:
                 torch.cuda.current_stream(t.device).synchronize()
             return t, _nothing
-        host = self._host_buffer(slot + ":in", t)
-        return host, lambda: t.copy_(host)
+        host = self._host_buffer(slot + ":in", t, hold)
+
+        def land():
+            t.copy_(host)
+            self.release(host)
+
+        return host, land
 
     def staged_bytes(self) -> int:
         """Bytes of host memory held for staging."""
-        return sum(b.numel() * b.element_size() for b in self._host.values())
+        return sum(b.numel() * b.element_size() for pool in self._host.values() for b in pool)
 
 
 def _nothing() -> None:

@@ -153,8 +153,8 @@ class Communicator:
             rspec = self._recv_specs.get(key)
         else:
             self._check_out(out, shape, send, "neighbor_allgather")
-        sbuf = self.router.outbound("neighbor_allgather", send)
-        rbuf, land = self.router.inbound("neighbor_allgather", out)
+        sbuf = self.router.outbound("neighbor_allgather", send, hold=not blocking)
+        rbuf, land = self.router.inbound("neighbor_allgather", out, hold=not blocking)
         if rspec is None or rbuf is not out:
             rspec = as_bytes(rbuf)
             if key is not None and rbuf is out and out.device.type == "cpu":
@@ -167,6 +167,7 @@ class Communicator:
 
         def finish():
             land()
+            self.router.release(sbuf)
             return out
 
         if blocking:
@@ -227,7 +228,7 @@ class Communicator:
     def _allreduce(self, t, op, blocking):
         if op not in _REDUCE_OPS:
             raise ValueError(f"allreduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        buf, land = self.router.inbound("allreduce", t)
+        buf, land = self.router.inbound("allreduce", t, hold=not blocking)
         if buf is not t:
             buf.copy_(t)
         nbytes = t.numel() * t.element_size()
@@ -260,8 +261,8 @@ class Communicator:
         if out is None:
             out = self._recv_buffer("allgather", shape, send)
         self._check_out(out, shape, send, "allgather")
-        sbuf = self.router.outbound("allgather", send)
-        rbuf, land = self.router.inbound("allgather", out)
+        sbuf = self.router.outbound("allgather", send, hold=not blocking)
+        rbuf, land = self.router.inbound("allgather", out, hold=not blocking)
         nbytes = send.numel() * send.element_size()
         others = {p: nbytes for p in range(self.size) if p != self.rank}
         self.ledger.record("allgather", nbytes, others, others)
@@ -271,6 +272,7 @@ class Communicator:
 
         def finish():
             land()
+            self.router.release(sbuf)
             return out
 
         if blocking:
@@ -296,8 +298,8 @@ class Communicator:
         if out is None:
             out = self._recv_buffer("alltoall", shape, send)
         self._check_out(out, shape, send, "alltoall")
-        sbuf = self.router.outbound("alltoall", send)
-        rbuf, land = self.router.inbound("alltoall", out)
+        sbuf = self.router.outbound("alltoall", send, hold=not blocking)
+        rbuf, land = self.router.inbound("alltoall", out, hold=not blocking)
         chunk = send.numel() * send.element_size() // self.size
         others = {p: chunk for p in range(self.size) if p != self.rank}
         total = send.numel() * send.element_size()
@@ -308,6 +310,7 @@ class Communicator:
 
         def finish():
             land()
+            self.router.release(sbuf)
             return out
 
         if blocking:

@@ -123,7 +123,7 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
         task = build()
         place_task(task, device)
         if cfg.precision == "fp16" and getattr(args, "overlap", False):
-            raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped allreduce "
+            raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped exchange "
                              "sends gradients before the loss scale's overflow check; use bf16 or no --overlap")
     except (ValueError, TypeError, OSError) as exc:
         error = exc
