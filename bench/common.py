@@ -93,8 +93,10 @@ def _evaluate(model: torch.nn.Module, flat_params: torch.Tensor, algo, data: Dig
 
 
 def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int, batch_size: int = 16,
-             topo: str = "ring", seed: int = 0, net=None) -> dict:
+             topo: str = "ring", seed: int = 0, net=None, keep_stats: bool = False) -> dict:
     """Train the MLP with ``algorithm`` for ``epochs`` on every rank; return one result row (all ranks).
+
+    ``keep_stats``: add ``stats``, this rank's ``algo.stats()`` at the end of training (before evaluation).
 
     ``net``: a network setting modelled under the run (``Communicator(net=...)``), or None.
     """
@@ -115,18 +117,21 @@ def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int
     mpi_comm.Barrier()
     wall = time.perf_counter() - t0
     totals = comm.ledger.totals()  # training traffic only: read before the evaluation's allreduces
+    stats = algo.stats()
     average = algo.consensus_model()
     loss, acc = _evaluate(model, average, algo, data)
     spread = algo.consensus_distance()
     sent = mpi_comm.allreduce(totals["bytes_sent"]) / n
+    received = mpi_comm.allreduce(totals["bytes_received"]) / n
     contributed = mpi_comm.allreduce(totals["bytes_contributed"]) / n
+    algo.close()
     return {
         "label": label, "algorithm": algorithm, "options": options, "topology": topo, "ranks": n,
         "epochs": epochs, "steps": steps, "test_loss": loss, "test_accuracy": acc,
-        "consensus_distance": spread, "bytes_sent_per_rank": sent,
+        "consensus_distance": spread, "bytes_sent_per_rank": sent, "bytes_received_per_rank": received,
         "bits_per_parameter_per_step": 8 * contributed / max(steps, 1) / algo.flat.numel,
         "bits_per_parameter_sent_per_step": 8 * sent / max(steps, 1) / algo.flat.numel,
-        "wall_seconds": wall, "parameters": algo.flat.numel,
+        "wall_seconds": wall, "parameters": algo.flat.numel, **({"stats": stats} if keep_stats else {}),
     }
 
 

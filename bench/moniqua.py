@@ -17,13 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, benchmark_options, make_mlp, report  # noqa: E402
-from mpicomm import topology  # noqa: E402
-from mpicomm.algorithms import make_algorithm  # noqa: E402
-from mpicomm.comm import Communicator  # noqa: E402
+from bench.common import benchmark_options, report, run_case  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moniqua.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
@@ -44,30 +40,11 @@ CASES = [  # label, algorithm, options
 
 
 def run(mpi_comm, label: str, algorithm: str, options: dict, epochs: int) -> dict:
-    """Train one case on every rank; the consensus model's test accuracy, bytes and guard events."""
-    n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    data = DigitsData(rank, n)
-    model = make_mlp()
-    algo = make_algorithm(algorithm, model, Communicator(mpi_comm, topology.ring(n)), **options)
-    steps = 0
-    for epoch in range(epochs):
-        for x, y in data.batches(epoch, 16, rank):
-            algo.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            algo.step()
-            steps += 1
-    stats = algo.stats()
-    sent = mpi_comm.allreduce(stats["total_bytes_sent"]) / n
-    contributed = mpi_comm.allreduce(stats["total_bytes_contributed"]) / n
-    algo.flat.data.copy_(algo.consensus_model())
-    with torch.no_grad():
-        acc = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
-        loss = float(torch.nn.functional.cross_entropy(model(data.x_test), data.y_test))
-    return {"label": label, "algorithm": algorithm, "options": options, "steps": steps, "test_accuracy": acc,
-            "test_loss": loss, "bytes_sent_per_rank": sent, "wall_seconds": 0.0,
-            "bits_per_parameter_per_step": 8 * contributed / steps / algo.flat.numel,
-            "wrapped_parts": stats.get("wrapped_parts", 0), "final_theta_max": stats.get("theta_max"),
-            "final_gamma": stats.get("gamma")}
+    """Train one case on every rank (:func:`bench.common.run_case`); add the guard's events and final theta."""
+    row = run_case(mpi_comm, label, algorithm, options, epochs=epochs, keep_stats=True)
+    stats = row.pop("stats")
+    return {**row, "wall_seconds": 0.0, "wrapped_parts": stats.get("wrapped_parts", 0),
+            "final_theta_max": stats.get("theta_max"), "final_gamma": stats.get("gamma")}
 
 
 def main() -> None:

@@ -17,13 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, benchmark_options, make_mlp, report  # noqa: E402
-from mpicomm import topology  # noqa: E402
-from mpicomm.algorithms import make_algorithm  # noqa: E402
-from mpicomm.comm import Communicator  # noqa: E402
+from bench.common import benchmark_options, report, run_case  # noqa: E402
 
 JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moniqua_adpsgd.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
@@ -38,29 +34,12 @@ CASES = [  # label, algorithm, options
 
 
 def run(mpi_comm, label: str, algorithm: str, options: dict, epochs: int) -> dict:
-    """Train one case on every rank; the consensus model's test accuracy, bytes received and wrapped parts."""
-    n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    data = DigitsData(rank, n)
-    model = make_mlp()
-    algo = make_algorithm(algorithm, model, Communicator(mpi_comm, topology.ring(n)), **options)
-    steps = 0
-    for epoch in range(epochs):
-        for x, y in data.batches(epoch, 16, rank):
-            algo.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            algo.step()
-            steps += 1
-    stats = algo.stats()
-    received = mpi_comm.allreduce(stats["total_bytes_received"]) / n
-    wrapped = mpi_comm.allreduce(stats.get("wrapped_parts", 0))
-    algo.flat.data.copy_(algo.consensus_model())
-    with torch.no_grad():
-        acc = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
-        loss = float(torch.nn.functional.cross_entropy(model(data.x_test), data.y_test))
-    algo.close()
-    return {"label": label, "algorithm": algorithm, "options": options, "steps": steps, "test_accuracy": acc,
-            "test_loss": loss, "bytes_sent_per_rank": received, "wall_seconds": 0.0,
-            "bits_per_parameter_per_step": 8 * received / steps / algo.flat.numel, "wrapped_parts": wrapped}
+    """Train one case on every rank (:func:`bench.common.run_case`); bytes received, wrapped parts of all ranks."""
+    row = run_case(mpi_comm, label, algorithm, options, epochs=epochs, keep_stats=True)
+    wrapped = mpi_comm.allreduce(row.pop("stats").get("wrapped_parts", 0))
+    received = row["bytes_received_per_rank"]
+    return {**row, "bytes_sent_per_rank": received, "wall_seconds": 0.0, "wrapped_parts": wrapped,
+            "bits_per_parameter_per_step": 8 * received / row["steps"] / row["parameters"]}
 
 
 def main() -> None:

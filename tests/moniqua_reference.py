@@ -18,10 +18,10 @@ LAYER_SIZES = [p.numel() for p in make_model().parameters()]
 FLOOR = 2.0**-12
 
 
-def parts_at(step: int, parts: int) -> list[tuple[int, int]]:
-    """Flat ``(start, stop)`` of tensor l's part (step + l) mod P."""
+def parts_at(step: int, parts: int, sizes=LAYER_SIZES) -> list[tuple[int, int]]:
+    """Flat ``(start, stop)`` of tensor l's part (step + l) mod P, for tensors of ``sizes`` laid out in order."""
     out, offset = [], 0
-    for tensor, n in enumerate(LAYER_SIZES):
+    for tensor, n in enumerate(sizes):
         p = (step + tensor) % parts
         out.append((offset + p * n // parts, offset + (p + 1) * n // parts))
         offset += n

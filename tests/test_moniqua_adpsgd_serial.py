@@ -9,19 +9,11 @@ from mpicomm.algorithms.moniqua_pull import PullMessage
 from mpicomm.codecs.lattice import dither, stream_key
 from mpicomm.flat import Layer
 
+from .moniqua_reference import parts_at
+
 LAYERS = [Layer("a.weight", 0, (10,)), Layer("b.bias", 10, (3,)), Layer("c.weight", 13, (40,))]
 SIZES = [10, 3, 40]
 THETA = torch.tensor([0.1, 0.2, 0.05], dtype=torch.float64)
-
-
-def reference_parts(version: int, parts: int) -> list[tuple[int, int]]:
-    """Tensor l's part (version + l) mod P, as flat (start, stop)."""
-    out, offset = [], 0
-    for tensor, n in enumerate(SIZES):
-        p = (version + tensor) % parts
-        out.append((offset + p * n // parts, offset + (p + 1) * n // parts))
-        offset += n
-    return out
 
 
 def models(seed: int, closeness: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +64,7 @@ def test_pull_recovers_each_tensor_on_the_publishers_grid(bits, parts, rounding,
     increment, wrapped = m.pull(message, xi)
     assert not wrapped.any()
     scales = (2**bits * (1 - 2 * 2.0 ** -(bits + 1)) / (2 * THETA)).float().double()
-    expected, parts_v = [], reference_parts(version, parts)
+    expected, parts_v = [], parts_at(version, parts, SIZES)
     for tensor, (a, b) in enumerate(parts_v):
         s = float(scales[tensor])
         u = dither(stream_key(11, version), torch.arange(a, b)).double() if rounding == "dither" else 0.0
