@@ -28,7 +28,7 @@ tier() {  # tier NAME COMMAND...
   echo "== $name: exit $rc in $((SECONDS - t0)) s"
   [ $rc = 0 ] || failed+=("$name (exit $rc)")
 }
-MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-600}
+MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-900}   # a hang guard: pytest-timeout stops a hung test after 300 s; a loaded 2-core machine took 420 s
 tier lint ruff check .
 tier serial python -m pytest -q "$@"
 for n in 1 2 4; do
