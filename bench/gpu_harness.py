@@ -44,8 +44,10 @@ ALGORITHMS = {
     "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
     "allreduce_sgd": ({"momentum": 0.9}, False),
     "qsgd": ({"bits": 4}, True),
+    "qsgd_overlap": ({"bits": 4, "overlap": True, "first_bucket_numel": 4096, "bucket_numel": 65536}, True),
     "terngrad": ({}, True),
     "signsgd": ({"lr": 1e-3}, False),
+    "signsgd_overlap": ({"lr": 1e-3, "overlap": True, "first_bucket_numel": 4096, "bucket_numel": 65536}, False),
     "ef_signsgd": ({}, False),
     "compressed_sgd": ({"codec": "topk", "codec_options": {"ratio": 0.01}, "error_feedback": True}, False),
     "hsq": ({"d": 8}, False),
@@ -55,8 +57,8 @@ ALGORITHMS = {
 
 
 def algorithm_name(key: str) -> str:
-    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``)."""
-    return "moniqua" if key == "moniqua_1bit" else key
+    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``, ``qsgd_overlap`` ``qsgd``)."""
+    return "moniqua" if key == "moniqua_1bit" else key.removesuffix("_overlap")
 
 
 def bench_codecs(x_ref: dict) -> list:
