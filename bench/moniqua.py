@@ -29,6 +29,7 @@ CASES = [  # label, algorithm, options
     ("Moniqua default (4-bit, 1/4)", "moniqua", SGD),
     ("Moniqua default C=0.5", "moniqua", {**SGD, "theta_c": 0.5}),
     ("Moniqua default C=0.25", "moniqua", {**SGD, "theta_c": 0.25}),
+    ("Moniqua default C=0.1", "moniqua", {**SGD, "theta_c": 0.1}),
     ("Moniqua default C=2", "moniqua", {**SGD, "theta_c": 2.0}),
     ("Moniqua default nearest", "moniqua", {**SGD, "rounding": "nearest"}),
     ("Moniqua 4-bit 1/2", "moniqua", {**SGD, "parts": 2}),
