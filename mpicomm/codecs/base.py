@@ -77,12 +77,17 @@ class Codec(abc.ABC):
         """Bits on the wire per element for a tensor of ``numel`` elements."""
         return 8.0 * self.payload_bytes(numel) / max(numel, 1)
 
+    _rng = None
+    """A stochastic codec's :class:`~mpicomm.codecs._rng.SeededGenerator` (None: deterministic)."""
+
     def state_dict(self) -> dict:
         """Random-generator state of a stochastic codec (empty for deterministic codecs)."""
-        return {}
+        return self._rng.state_dict() if self._rng is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""
+        if self._rng is not None:
+            self._rng.load_state_dict(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"

@@ -172,14 +172,6 @@ class QSGDCodec(Codec):
                 rows.mul_(factors[first + idx.start : first + idx.stop, None])
         return out
 
-    def state_dict(self) -> dict:
-        """Generator state."""
-        return self._rng.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the generator state saved by ``state_dict``."""
-        self._rng.load_state_dict(state)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bits={self.bits}, bucket_size={self.bucket_size})"
 

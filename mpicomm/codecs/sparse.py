@@ -160,13 +160,5 @@ class RandomKCodec(_SparseCodec):
             values.mul_(n / k)
         return idx, values
 
-    def state_dict(self) -> dict:
-        """Generator state."""
-        return self._rng.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the generator state saved by ``state_dict``."""
-        self._rng.load_state_dict(state)
-
     def __repr__(self) -> str:
         return f"RandomKCodec(ratio={self.ratio}, unbiased={self.unbiased})"

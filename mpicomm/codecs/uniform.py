@@ -137,14 +137,5 @@ class UniformCodec(Codec):
                 oc.mul_(delta).add_(lo)
         return out
 
-    def state_dict(self) -> dict:
-        """Generator state (stochastic rounding only)."""
-        return self._rng.state_dict() if self._rng is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the generator state saved by ``state_dict``."""
-        if self._rng is not None:
-            self._rng.load_state_dict(state)
-
     def __repr__(self) -> str:
         return f"UniformCodec(bits={self.bits}, lo={self.lo}, hi={self.hi}, rounding={self.rounding!r})"
