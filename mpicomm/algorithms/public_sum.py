@@ -38,18 +38,32 @@ import torch
 
 from ..codecs import Codec
 from .dpsgd import gossip_average
-from .replicas import CodecGossip
 
 __all__ = ["SumGossip"]
 
 INITS = ("model", "zeros", "exchange")
 
 
-class SumGossip(CodecGossip):
-    """A rank's own public copy x̂_i and mix s_i = sum_j W_ij x̂_j per distinct topology (see the module docstring)."""
+class SumGossip:
+    """A rank's own public copy x̂_i and mix s_i = sum_j W_ij x̂_j per distinct topology (see the module docstring).
+
+    ``slots`` lists the schedule's distinct topologies in order of first use (``first_steps`` the step of
+    that use); :meth:`models` is the lossless codecs' path, which keeps no public state.
+    """
 
     def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str = "model"):
-        super().__init__(comm, codec, x, init, INITS)
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        self.comm, self.codec, self.numel = comm, codec, x.numel()
+        self.scratch = torch.empty_like(x)
+        self._models: dict[int, torch.Tensor] = {}
+        self.slots: list = []
+        self.first_steps: list[int] = []
+        for step in range(comm.schedule.period):
+            topo = comm.topology(step)
+            if topo not in self.slots:
+                self.slots.append(topo)
+                self.first_steps.append(step)
         self.pairs: list[torch.Tensor] = []
         if codec.lossless:
             return
@@ -63,6 +77,26 @@ class SumGossip(CodecGossip):
                 received = comm.neighbor_allgather(x.detach(), step=step)
                 gossip_average(pair[1], received, topo.self_weight(comm.rank), topo.neighbor_weights(comm.rank))
             self.pairs.append(pair)
+
+    @property
+    def lossless(self) -> bool:
+        """True when the codec is lossless and no public state is kept."""
+        return self.codec.lossless
+
+    def slot(self, step: int) -> int:
+        """Index in ``slots`` of the topology in force at ``step``."""
+        return self.slots.index(self.comm.topology(step))
+
+    def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
+        received = self.comm.neighbor_allgather(self.codec.encode(x), step=step)
+        out = self._models.get(len(received))
+        if out is None:
+            out = self._models[len(received)] = torch.empty((len(received), self.numel), dtype=x.dtype,
+                                                            device=x.device)
+        for row, message in zip(out, received):
+            self.codec.decode(message, self.numel, out=row)
+        return out
 
     def pair_at(self, step: int) -> torch.Tensor:
         """The ``(2, d)`` state for the topology in force at ``step``: row 0 x̂_i, row 1 s_i."""

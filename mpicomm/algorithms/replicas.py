@@ -1,4 +1,4 @@
-"""What CHOCO, CPD-SGDM and DCD share: codec options, a rank's codec, and the per-topology gossip base.
+"""What CHOCO, CPD-SGDM and DCD share: codec options and a rank's codec (their public state: :mod:`.public_sum`).
 
 A compressed decentralized method never sends its model. Rank i keeps a *public copy* x̂_i of its own
 model, sends ``q_i = C(target - x̂_i)``, and every rank that mixes with i adds the decoded ``q_i`` to what
@@ -13,11 +13,11 @@ neighbour: 2 model copies per distinct topology of the schedule, whatever the de
 **Time-varying topologies.** A copy stays exact only if everyone holding it receives every message
 that advances it. With a schedule whose graphs differ, a neighbour of one step is not a neighbour of
 the next, so the public state is kept *per distinct topology* T of the schedule, advanced only at
-exchanges over T (:class:`CodecGossip` lists the T's). The consensus terms then sum to zero
+exchanges over T (:class:`~.public_sum.SumGossip` lists the T's). The consensus terms then sum to zero
 (W doubly stochastic), so the average is preserved. A static topology has one T.
 
 **Lossless codecs** (``identity``): x̂ <- x̂ + (target - x̂) equals target in exact arithmetic, so no
-public state is kept; :meth:`CodecGossip.models` sends the encoded model itself (the same
+public state is kept; :meth:`~.public_sum.SumGossip.models` sends the encoded model itself (the same
 ``payload_bytes(d)`` per out-neighbour) and returns the decoded in-neighbour models, which lets the
 algorithms reduce to their full-precision baselines to the last bit.
 
@@ -34,12 +34,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..codecs import CODECS, Codec, make_codec
 from .base import AlgorithmConfig
 
-__all__ = ["CodecConfig", "CodecGossip", "check_codec", "make_rank_codec"]
+__all__ = ["CodecConfig", "check_codec", "make_rank_codec"]
 
 
 def _takes_seed(name: str) -> bool:
@@ -84,44 +82,3 @@ def make_rank_codec(config: CodecConfig, rank: int) -> Codec:
     seed = {"seed": config.seed + rank} if _takes_seed(config.codec) else {}
     return make_codec(config.codec, **config.codec_options, **seed)
 
-
-class CodecGossip:
-    """What every compressed gossip keeps: a rank's codec, the schedule's distinct topologies, scratch space.
-
-    ``slots`` lists the distinct topologies in order of first use in the schedule (``first_steps`` the
-    step of that use); a subclass keeps its public state per slot. :meth:`models` is the lossless path.
-    """
-
-    def __init__(self, comm, codec: Codec, x: torch.Tensor, init: str, inits: tuple[str, ...]):
-        if init not in inits:
-            raise ValueError(f"init must be one of {inits}, got {init!r}")
-        self.comm, self.codec, self.numel = comm, codec, x.numel()
-        self.scratch = torch.empty_like(x)
-        self._models: dict[int, torch.Tensor] = {}
-        self.slots: list = []
-        self.first_steps: list[int] = []
-        for step in range(comm.schedule.period):
-            topo = comm.topology(step)
-            if topo not in self.slots:
-                self.slots.append(topo)
-                self.first_steps.append(step)
-
-    @property
-    def lossless(self) -> bool:
-        """True when the codec is lossless and no public state is kept."""
-        return self.codec.lossless
-
-    def slot(self, step: int) -> int:
-        """Index in ``slots`` of the topology in force at ``step``."""
-        return self.slots.index(self.comm.topology(step))
-
-    def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
-        received = self.comm.neighbor_allgather(self.codec.encode(x), step=step)
-        out = self._models.get(len(received))
-        if out is None:
-            out = self._models[len(received)] = torch.empty((len(received), self.numel), dtype=x.dtype,
-                                                            device=x.device)
-        for row, message in zip(out, received):
-            self.codec.decode(message, self.numel, out=row)
-        return out
