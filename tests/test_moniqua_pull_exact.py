@@ -108,12 +108,18 @@ class Reference:
             at += stop - start
 
 
-def pair(bits, parts, rounding, chunk=None, rank_seed=5):
-    """A new PullMessage and a Reference on an identical one (its own generator, same seed)."""
+def pair(bits, parts, rounding, chunk=None, rank_seed=5, frame=None):
+    """A new PullMessage and a Reference on an identical one (its own generator, same seed).
+
+    ``chunk``: the pieces of a part that stochastic rounding draws (and the reference encodes) at a time;
+    ``frame``: code positions per frame of the new one (default: as ``chunk``, if given).
+    """
     new = PullMessage(layers(), bits, parts, rounding, seed=17, rank_seed=rank_seed, device="cpu")
     old = PullMessage(layers(), bits, parts, rounding, seed=17, rank_seed=rank_seed, device="cpu")
     if chunk is not None:
-        new.chunk = old.chunk = chunk
+        new.chunk = old.chunk = new.frame = chunk
+    if frame is not None:
+        new.frame = frame
     return new, Reference(old)
 
 
@@ -141,9 +147,9 @@ CONFIGS = [(bits, parts, rounding) for bits in (1, 2, 4, 8) for parts in (1, 3, 
 
 
 @pytest.mark.parametrize("bits,parts,rounding", CONFIGS)
-@pytest.mark.parametrize("chunk", [None, 64])
-def test_encode_and_pull_are_the_tensor_by_tensor_results_bit_for_bit(bits, parts, rounding, chunk):
-    new, old = pair(bits, parts, rounding, chunk)
+@pytest.mark.parametrize("chunk,frame", [(None, None), (64, 64), (None, 64), (24, 128)])
+def test_encode_and_pull_are_the_tensor_by_tensor_results_bit_for_bit(bits, parts, rounding, chunk, frame):
+    new, old = pair(bits, parts, rounding, chunk, frame=frame)
     theta = thetas()
     for version in (0, 1, 2, 7):
         xj, xi = models(100 * bits + 10 * parts + version)
@@ -184,6 +190,7 @@ def test_a_reused_buffer_differs_only_on_unfilled_code_positions(bits, parts, ro
         old.encode(xj, version, theta, theirs)
         gaps = unused(new, version)
         assert torch.equal(mine[~gaps], theirs[~gaps])
+        assert not mine[gaps].any()
         stale += int(theirs[gaps].ne(0).sum())
         for x in (xi, xj):
             state = None if new.noise is None else new.noise.state_dict()

@@ -70,8 +70,9 @@ by an allreduce every step; here ranks are at different steps and nothing is agr
 Memory: adpsgd holds its mailbox slot and one read buffer, both fp32 model-sized (AD-PSGD's own need).
 Moniqua-AD-PSGD holds three message-sized buffers (its slot, the read buffer and a copy of its own
 message, 8 + 8 T + sum_l ceil(ceil(n_l / P) b / 8) bytes rounded up to 4), a transient d / P float32
-increment per pull, and no model-sized one. Traffic per step: one read of one message (booked as
-``rma_get``). ``close()`` is collective: call it on every rank after training.
+increment per pull (with stochastic rounding also the xi of a message's code positions, d / P float32, per
+encode and per pull), chunk-sized temporaries, and no model-sized buffer. Traffic per step: one read of one
+message (booked as ``rma_get``). ``close()`` is collective: call it on every rank after training.
 
 ``bits=32`` (with ``parts=1``) publishes the fp32 model and runs AD-PSGD's own code: Moniqua-AD-PSGD
 then equals ``adpsgd`` bit for bit (same gamma). Checkpoints hold the theta rule, the peers' theta max,
@@ -279,7 +280,7 @@ class MoniquaADPSGD(ADPSGD):
             return
         self.peer_theta = torch.maximum(self.peer_theta * self.config.theta_decay,
                                         self.codec.thetas(self.codec.header_scales(message)))
-        increment, wrapped = self.codec.pull(message, self.flat.data)  # check: x untouched so far
+        increment, wrapped = self.codec.pull(message, self.flat.data, version)  # check: x untouched so far
         self.record.steps += 1
         if wrapped.any():
             self.record.add(wrapped)

@@ -49,7 +49,7 @@ rank 0 at the end (:meth:`ModuloGossip.close`), never per step.
 
 Work per step: encode and decode run chunk by chunk over the message's code positions
 (:meth:`.PartLayout.plan`), every tensor of a chunk in one pass of tensor operations (scale, dither and
-fingerprint weight per position), so the number of operations does not grow with the number of tensors;
+fingerprint weight per position, :class:`.Frame`), so the number of operations does not grow with the number of tensors;
 the fingerprints stay on the device until the one allreduce, and the host reads the agreed wrap flags
 once. Results are bit for bit those of a tensor-by-tensor loop (same float32 operations per coordinate).
 
@@ -72,13 +72,14 @@ from typing import Any, Union
 
 import torch
 
-from ..codecs import bitpack, lattice
-from ..codecs._layout import chunk_elems, chunk_ranges
+from ..codecs import lattice
+from ..codecs._layout import chunk_elems
 from ..codecs._rng import SeededGenerator
 from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from .dpsgd import gossip_average
-from .moniqua_guard import LOW31, GuardRecord, ThetaBoundError, resync_parts, run_fingerprints
-from .moniqua_parts import Chunk, PartLayout, local_step_sizes, tensor_inf
+from .moniqua_frame import Frame, message_noise, per_run
+from .moniqua_guard import LOW31, GuardRecord, ThetaBoundError, resync_parts
+from .moniqua_parts import PartLayout, local_step_sizes, tensor_inf
 from .moniqua_theta import TensorTheta, mixing_time
 from .registry import register
 
@@ -207,7 +208,7 @@ class ModuloGossip:
         return any(flags)
 
     # ------------------------------------------------------------------ the two passes
-    def _encode(self, x, step, scales, wsum) -> tuple[list[_Frame], torch.Tensor]:
+    def _encode(self, x, step, scales, wsum) -> tuple[list[Frame], torch.Tensor]:
         """Pack this rank's codes and fingerprints into ``send``; return the frames and ``-wsum x̂_i``.
 
         Works chunk by chunk on the message body's code positions (:meth:`PartLayout.plan`), every tensor
@@ -216,56 +217,34 @@ class ModuloGossip:
         code position.
         """
         bits, dev = self.config.bits, x.device
-        scale, inverse = _per_run(scales, dev), _per_run(1.0 / scales, dev)
+        scale, inverse = per_run(scales, dev), per_run(1.0 / scales, dev)
         key = lattice.stream_key(self.config.seed, step) if self.dithered else None
         body = self.send[self.layout.header_bytes:]
         increment = torch.empty(self.layout.codes, dtype=torch.float32, device=dev)
-        noise = self._noise(step, dev) if self.noise is not None else None
+        noise = None if self.noise is None else message_noise(self.layout, step, self.chunk, self.noise, dev)
         frames, own = [], torch.zeros(self.layout.count + 1, dtype=torch.int64, device=dev)
         for chunk in self.layout.plan(step, self.chunk):
-            frame = _Frame(chunk, dev, key)
-            gap = x.new_zeros(max(chunk.lengths))
-            t = torch.cat([gap[:n] if a is None else x[a:a + n] for n, a in zip(chunk.lengths, chunk.starts)])
-            t = t.to(torch.float32).mul_(frame.spread(scale))
-            if frame.u is not None:
-                t.add_(frame.u)
-            frame.base = t  # the receivers' t, with their own x: every decode of this rank starts from it
-            L = t.add(noise[chunk.lo:chunk.hi]).floor_() if noise is not None else t.round()
-            points, work = _int64_pair(L)
-            codes = torch.bitwise_and(points, (1 << bits) - 1, out=work).to(torch.uint8)
-            bitpack.pack(codes, bits, out=body[chunk.lo * bits // 8:chunk.hi * bits // 8], check=False)
-            own.index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
+            frame = Frame(chunk, dev, key)
+            L = frame.lattice(x, scale, noise)  # frame.base: the receivers' t, with their own x, for every decode
+            own.index_add_(0, frame.tensors, frame.pack(L, bits, body))
             torch.mul(frame.value(L, frame.spread(inverse)), -wsum, out=increment[chunk.lo:chunk.hi])
             frames.append(frame)
         self.layout.header(self.send).copy_(own[:-1].bitwise_and_(LOW31))
         return frames, increment
 
-    def _noise(self, step: int, device) -> torch.Tensor:
-        """xi of stochastic rounding at every code position (0 in the gaps), drawn tensor by tensor and chunk by
-        chunk of its part: the generator's stream does not depend on how the message is cut."""
-        noise = torch.zeros(self.layout.codes, dtype=torch.float32, device=device)
-        for tensor, position in enumerate(self.layout.positions):
-            start, stop = self.layout.part(tensor, step)
-            for lo, hi in chunk_ranges(stop - start, self.chunk):
-                self.noise.uniform_(noise[position + lo:position + hi])
-        return noise
-
     def _decode(self, step, frames, scales, rows, increment) -> torch.Tensor:
         """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
-        bits, levels = self.config.bits, float(1 << self.config.bits)
+        bits = self.config.bits
         weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
         body, count = self.layout.header_bytes, self.layout.count
         fingerprints = torch.zeros(len(rows), count + 1, dtype=torch.int64, device=increment.device)
-        inverse = _per_run(1.0 / scales, increment.device)
+        inverse = per_run(1.0 / scales, increment.device)
         for frame in frames:
             lo, hi, spread = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
             pair = torch.empty(2 * (hi - lo), dtype=torch.int64, device=increment.device)  # one for every row
             for k, (w, row) in enumerate(zip(weights, rows)):
-                codes = bitpack.unpack(row[body + lo * bits // 8:body + hi * bits // 8], bits, hi - lo)
-                code = codes.to(torch.float32)
-                L = torch.sub(frame.base, code).mul_(1.0 / levels).round_().mul_(levels).add_(code)
-                points, work = _int64_pair(L, pair)
-                fingerprints[k].index_add_(0, frame.tensors, run_fingerprints(points, frame.hashes, frame.ends, work))
+                L = frame.recover(row[body:], bits)
+                fingerprints[k].index_add_(0, frame.tensors, frame.fingerprints(L, pair))
                 increment[lo:hi].add_(frame.value(L, spread), alpha=w)
         headers = rows[:, :body].view(torch.int32)
         mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0)
@@ -309,45 +288,6 @@ class ModuloGossip:
             self.rule.load_state_dict(state["rule"])
             if self.noise is not None:
                 self.noise.load_state_dict(state["noise"])
-
-
-class _Frame:
-    """One chunk of a step's message on this rank: its runs on the device, dither, hashes and (after encode) t."""
-
-    def __init__(self, chunk: Chunk, device, key):
-        self.chunk = chunk
-        n = chunk.hi - chunk.lo
-        self.lengths = torch.tensor(chunk.lengths, device=device)
-        self.tensors = torch.tensor(chunk.tensors, device=device)
-        self.ends = torch.tensor(chunk.ends, device=device)
-        shift = torch.tensor(chunk.shifts, device=device).repeat_interleave(self.lengths, output_size=n)
-        coords = torch.arange(chunk.lo, chunk.hi, device=device).add_(shift)
-        self.u = None if key is None else lattice.dither(key, coords)
-        self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
-        self.base: torch.Tensor | None = None
-
-    def spread(self, per_tensor: torch.Tensor) -> torch.Tensor:
-        """The float32 value of each run's tensor at each of its positions (``per_tensor`` has T + 1 entries)."""
-        return per_tensor[self.tensors].repeat_interleave(self.lengths, output_size=self.chunk.hi - self.chunk.lo)
-
-    def value(self, L: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        """``x̂ = (L - u) / s`` in place on the float32 lattice points ``L`` (``inverse``: 1/s at each position)."""
-        if self.u is not None:
-            L.sub_(self.u)
-        return L.mul_(inverse)
-
-
-def _int64_pair(L: torch.Tensor, pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``L`` as int64 and a work buffer of its size, both in ``pair`` (2 |L| int64, allocated if None): one
-    allocation where two fresh ones would each be mapped anew by the C allocator (page faults)."""
-    n = L.numel()
-    pair = torch.empty(2 * n, dtype=torch.int64, device=L.device) if pair is None else pair
-    return pair[:n].copy_(L), pair[n:]
-
-
-def _per_run(per_tensor: torch.Tensor, device) -> torch.Tensor:
-    """float64 values per tensor as float32 on ``device``, with a last entry 1 for the gaps (whose x is 0)."""
-    return torch.cat([per_tensor, per_tensor.new_ones(1)]).to(device=device, dtype=torch.float32)
 
 
 def _gossip(x, rows, self_weight, weights, gamma) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from .dpsgd import gossip_average
 
-__all__ = ["LOW31", "GuardRecord", "ThetaBoundError", "fingerprint", "resync_parts", "run_fingerprints"]
+__all__ = ["LOW31", "GuardRecord", "ThetaBoundError", "resync_parts", "run_fingerprints"]
 
 log = logging.getLogger("mpicomm.algorithms.moniqua")
 
@@ -33,14 +33,6 @@ LOW31 = 0x7FFFFFFF
 
 class ThetaBoundError(RuntimeError):
     """Moniqua's modulo recovery wrapped (|x_i - x_j|_inf exceeded the range) and ``guard="raise"``."""
-
-
-def fingerprint(L: torch.Tensor, hashes: torch.Tensor) -> int:
-    """``sum_c H_c (L_c mod 2^20)`` of one run of int64 lattice points ``L`` (``hashes``: their H_c), as an int.
-
-    The same sum as :func:`run_fingerprints` (int64, wrapping, so its low 31 bits are exact).
-    """
-    return int(torch.bitwise_and(L, _HASH_MASK).mul_(hashes).sum())
 
 
 def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,15 @@ agreement between ranks. Reader i with model x_i, pulling publisher j's message,
 
 ``(L'_j - L_i) / s_l = x̂_j - x̂_i``: the shared dither cancels, two ranks holding the same value feel no
 pull, and E_u[x̂_j - x̂_i] = x_j - x_i (subtractive dither). With stochastic rounding (no dither) each
-side's point is floor(x s + xi) with its own generator.
+side's point is floor(x s + xi) with its own generator (xi drawn tensor by tensor, chunk by chunk of its part).
+
+Work per encode and per pull: frame by frame over the body's code positions at version v
+(:meth:`.PartLayout.plan`, frames of 2^16 positions on a CPU), every tensor of a frame in one pass of tensor
+operations with a scale, dither and fingerprint weight per position (:class:`.Frame`, shared with the
+synchronous :mod:`.moniqua`), so the number of operations does not grow with the number of tensors. The
+fingerprints are summed and compared on x's device; the host reads the version and then the wrap flags,
+once per pull, nothing per tensor or frame. Results are bit for bit those of a tensor-by-tensor loop (same
+float32 operations per coordinate); the unused end of a slot holds code 0.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ from __future__ import annotations
 import torch
 
 from ..codecs import lattice
-from ..codecs._layout import chunk_elems, chunk_ranges
+from ..codecs._layout import chunk_elems
 from ..codecs._rng import SeededGenerator
-from .moniqua_guard import LOW31, fingerprint
+from .moniqua_frame import Frame, frame_elems, message_noise, per_run
+from .moniqua_guard import LOW31
 from .moniqua_parts import PartLayout
 
 __all__ = ["PullMessage"]
@@ -48,7 +57,8 @@ class PullMessage:
         self.delta = lattice.delta(bits, rounding)
         self.dithered = rounding == "dither"
         self.noise = SeededGenerator(rank_seed) if rounding == "stochastic" else None
-        self.chunk = chunk_elems(torch.device(device))
+        self.chunk = chunk_elems(torch.device(device))  # stochastic rounding draws its xi per piece of a part this long
+        self.frame = frame_elems(torch.device(device))  # code positions per Frame
 
     # ------------------------------------------------------------------ header fields
     def scales(self, theta: torch.Tensor) -> torch.Tensor:
@@ -79,50 +89,58 @@ class PullMessage:
 
     # ------------------------------------------------------------------ the two operations
     def encode(self, x: torch.Tensor, version: int, theta: torch.Tensor, message: torch.Tensor) -> None:
-        """Write ``x`` (flat fp32) at ``version`` on the grid of float64 ``theta`` (per tensor) into ``message``."""
+        """Write ``x`` (flat fp32) at ``version`` on the grid of float64 ``theta`` (per tensor) into ``message``.
+
+        Frame by frame over the body's code positions at ``version`` (:meth:`.PartLayout.plan`), every tensor
+        of a frame in one pass (:class:`.Frame`); the unused code positions of the slots are written as 0.
+        The fingerprints stay on the device: the host reads nothing.
+        """
         scales = self.scales(theta)
         message[:8].copy_(torch.tensor([version], dtype=torch.int64).view(torch.uint8))
         message[8:self.prefix].copy_(scales.view(torch.uint8))
-        body, key = message[self.prefix:], self._key(version)
-        own = torch.zeros(self.count, dtype=torch.int64)
-        for tensor, (start, stop) in enumerate(self.layout.parts_at(version)):
-            s, slot = float(scales[tensor]), self.layout.slots[tensor]
-            for lo, hi in chunk_ranges(stop - start, self.chunk):
-                coords, u = self._coords(key, start + lo, start + hi, x.device)
-                packed, L = lattice.lattice_encode(x[start + lo:start + hi], s, self.bits, u, self._noise(hi - lo, x))
-                at = slot + lo * self.bits // 8
-                body[at:at + packed.numel()].copy_(packed)
-                own[tensor] += fingerprint(L, lattice.coordinate_hashes(coords))
-        self.layout.header(body).copy_(own.bitwise_and_(LOW31))
+        dev, body = x.device, message[self.prefix:]
+        codes, scale = body[self.layout.header_bytes:], per_run(scales, dev)
+        noise, key = self._noise(version, dev), self._key(version)
+        own = torch.zeros(self.count + 1, dtype=torch.int64, device=dev)  # the last entry collects the gaps'
+        for chunk in self.layout.plan(version, self.frame):
+            frame = Frame(chunk, dev, key)
+            own.index_add_(0, frame.tensors, frame.pack(frame.lattice(x, scale, noise), self.bits, codes))
+        self.layout.header(body).copy_(own[:-1].bitwise_and_(LOW31))
 
-    def pull(self, message: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pull(self, message: torch.Tensor, x: torch.Tensor,
+             version: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Check: ``(increment, wrapped)`` of a peer's ``message`` at this rank's ``x``, which is not touched.
 
-        ``increment``: x̂_j - x̂_i on every tensor's part, concatenated in tensor order (float32);
-        ``wrapped``: bool per tensor, True where the fingerprint of the recovered points differs from the header's.
+        ``increment``: x̂_j - x̂_i on every tensor's part, concatenated in tensor order (float32, on x's device);
+        ``wrapped``: bool per tensor (on the host), True where the fingerprint of the recovered points differs
+        from the header's. ``version``: the message's :meth:`version` if the caller has read it already.
+        Frame by frame like :meth:`encode`, the fingerprints compared on the device: the host reads the
+        version (unless given) and then only the wrap flags, once.
         """
-        version, scales = self.version(message), self.header_scales(message)
-        body, key, sent = message[self.prefix:], self._key(version), self.fingerprints(message).tolist()
-        parts = self.layout.parts_at(version)
-        increment = torch.empty(sum(b - a for a, b in parts), dtype=torch.float32, device=x.device)
-        wrapped = torch.zeros(self.count, dtype=torch.bool)
+        version = self.version(message) if version is None else version
+        dev = x.device
+        body, parts = message[self.prefix:], self.layout.parts_at(version)
+        scales = self.header_scales(message)
+        scale, inverse = per_run(scales, dev), per_run(1.0 / scales.double(), dev)  # 1/s: float64, then float32
+        noise, key = self._noise(version, dev), self._key(version)
+        codes = body[self.layout.header_bytes:]
+        increment = torch.empty(sum(b - a for a, b in parts), dtype=torch.float32, device=dev)
+        got = torch.zeros(self.count + 1, dtype=torch.int64, device=dev)
         at = 0
-        for tensor, (start, stop) in enumerate(parts):
-            s, slot, got = float(scales[tensor]), self.layout.slots[tensor], 0
-            for lo, hi in chunk_ranges(stop - start, self.chunk):
-                coords, u = self._coords(key, start + lo, start + hi, x.device)
-                mine = x[start + lo:start + hi]
-                packed = body[slot + lo * self.bits // 8:slot + (hi * self.bits + 7) // 8]
-                theirs = lattice.lattice_decode(packed, mine, s, self.bits, u)
-                got += fingerprint(theirs, lattice.coordinate_hashes(coords))
-                _, own = lattice.lattice_encode(mine, s, self.bits, u, self._noise(hi - lo, x))
-                torch.mul(theirs.sub_(own), 1.0 / s, out=increment[at + lo:at + hi])
-            wrapped[tensor] = (got & LOW31) != sent[tensor]
-            at += stop - start
+        for chunk in self.layout.plan(version, self.frame):
+            frame = Frame(chunk, dev, key)
+            own = frame.lattice(x, scale, noise)  # L_i, and t = x_i s + u for the recovery
+            theirs = frame.recover(codes, self.bits)  # L'_j
+            got.index_add_(0, frame.tensors, frame.fingerprints(theirs))
+            at += frame.parts(theirs.sub_(own).mul_(frame.spread(inverse)), increment[at:])
+        wrapped = torch.ne(got[:-1].bitwise_and_(LOW31), self.fingerprints(message)).cpu()  # the one host read
         return increment, wrapped
 
     def mix(self, x: torch.Tensor, version: int, increment: torch.Tensor, wrapped: torch.Tensor, alpha: float) -> None:
-        """``x[S_l] += alpha increment_l`` on the parts of ``version`` of the tensors that did not wrap."""
+        """``x[S_l] += alpha increment_l`` on the parts of ``version`` of the tensors that did not wrap.
+
+        ``wrapped`` is :meth:`pull`'s, on the host: reading it does not wait for the device.
+        """
         at = 0
         for flag, (start, stop) in zip(wrapped.tolist(), self.layout.parts_at(version)):
             if not flag:
@@ -133,12 +151,9 @@ class PullMessage:
     def _key(self, version: int) -> int | None:
         return lattice.stream_key(self.seed, version) if self.dithered else None
 
-    def _coords(self, key, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        coords = torch.arange(lo, hi, device=device)
-        return coords, None if key is None else lattice.dither(key, coords)
-
-    def _noise(self, n: int, like: torch.Tensor) -> torch.Tensor | None:
-        """xi ~ U[0, 1) for stochastic rounding from this rank's generator (None otherwise)."""
+    def _noise(self, version: int, device) -> torch.Tensor | None:
+        """xi ~ U(0, 1) of stochastic rounding at every code position of ``version``'s message, from this rank's
+        generator, drawn tensor by tensor and chunk by chunk of its part (None for the other roundings)."""
         if self.noise is None:
             return None
-        return self.noise.uniform_(torch.empty(n, dtype=torch.float32, device=like.device))
+        return message_noise(self.layout, version, self.chunk, self.noise, device)
