@@ -33,6 +33,7 @@ ALGORITHMS = {
     "dpsgd": {"momentum": 0.9},
     "moniqua": {"bits": 1},
     "moniqua_d2": {"bits": 8},
+    "moniqua_adpsgd": {"bits": 4},
     "d2": {},
     "choco": {"codec": "qsgd", "codec_options": {"bits": 4}},
     "dcd": {"codec": "sign"},
