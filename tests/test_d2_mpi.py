@@ -24,7 +24,9 @@ def reference_d2(schedule, steps, lr, weight_decay=0.0, bits=None, parts=1, gamm
     x_prev = g_prev = None
     rule = None
     if bits is not None:
-        rule = ReferenceTheta(theta, c, per, parts, spectral_t_mix(schedule.at(0).W, gamma) if theta is None else 1.0)
+        fixed = None if theta == "observed" else theta
+        rule = ReferenceTheta(fixed, c, per, parts, spectral_t_mix(schedule.at(0).W, gamma) if fixed is None else 1.0,
+                              observed=theta == "observed")
     for t in range(steps):
         g = torch.stack([grad_at(x[r], r, t) + weight_decay * x[r] for r in range(n)])
         half = x - lr * g if x_prev is None else 2 * x - x_prev - lr * (g - g_prev)
@@ -35,8 +37,10 @@ def reference_d2(schedule, steps, lr, weight_decay=0.0, bits=None, parts=1, gamm
             continue
         if t == 0:
             rule.observe(half, lr * g)
-        x = reference_mix(half, W, t, rule.theta(), bits, parts, gamma, rounding)
+        x, distance = reference_mix(half, W, t, rule.theta(), bits, parts, gamma, rounding)
         rule.observe(half, lr * g)
+        if theta == "observed":
+            rule.observe_distance(distance)
     return x
 
 
@@ -56,11 +60,12 @@ def test_d2_matches_reference(comm):
     (4, 4, 1.0, None, "tensor", "dither"),  # the default
     (1, 1, 0.2, 1.0, "model", "nearest"),   # the paper's form, fixed theta
     (2, 2, 0.5, None, "model", "dither"),
+    (4, 4, 1.0, "observed", "tensor", "dither"),
 ])
 def test_moniqua_d2_matches_reference(comm, bits, parts, gamma, theta, per, rounding):
     def body():
         for schedule in topologies_for(comm.Get_size()):
-            if theta is None and not isinstance(schedule, Topology):
+            if theta in (None, "observed") and not isinstance(schedule, Topology):
                 continue  # the reference's t_mix uses one symmetric W
             comm_ = Communicator(comm, schedule)
             options = dict(theta=theta) if theta is not None else dict(theta="adaptive")

@@ -89,13 +89,56 @@ def _resnet_eval(state: dict) -> dict:
             "test_accuracy": int((logits.argmax(1) == y).sum()) / len(y)}
 
 
+def _recomputed_statistics(state: dict, batches: int = 8) -> dict:
+    """``state`` with BatchNorm statistics recomputed for its weights, written from the description in
+    ``mpicomm.training.batchnorm`` (not its code): each rank's first ``batches`` training batches of epoch 0
+    (the app's ImageTask, seed 0) in train mode with a cumulative average, then the mean over the 2 ranks."""
+    images, resnet = _app_module("data.images"), _app_module("models.resnet")
+    task_module = _app_module("data.image_task")
+    data = images.load_digits32(seed=0)
+    batch_size = int(RESNET[RESNET.index("--batch-size") + 1])
+    per_rank = []
+    for rank in range(2):
+        model = resnet.build_model("resnet20", 10, "batch", seed=0)
+        model.load_state_dict(state, strict=True)
+        task = task_module.ImageTask(model, data, rank=rank, size=2, batch_size=batch_size, seed=0)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        with torch.no_grad():
+            for _, (x, _) in zip(range(batches), task.train_batches(0)):
+                model(x)
+        per_rank.append({k: v.clone() for k, v in model.state_dict().items()})
+    out = dict(state)
+    for key in state:
+        if key.endswith(("running_mean", "running_var")):
+            out[key] = ((per_rank[0][key].double() + per_rank[1][key].double()) / 2).float()
+    return out
+
+
 def test_resnet_average_reproduces_the_runs_evaluation(resnet_run, tmp_path, capsys):
+    """The run evaluates the averaged parameters with BatchNorm statistics recomputed for them; the exported
+    average with those statistics recomputed independently scores the same, rank 0's statistics do not."""
     code, out, _ = _export(capsys, resnet_run, "-o", tmp_path / "avg.pt", "--average", "--buffers", "0")
     assert code == 0 and "the average of 2 ranks' models of step 4" in out and "from rank 0" in out
     state = torch.load(tmp_path / "avg.pt", weights_only=True)
     final = _final_eval(resnet_run)
-    got = _resnet_eval(state)
+    got = _resnet_eval(_recomputed_statistics(state))
     assert got["test_accuracy"] == final["test_accuracy"]
+    assert got["test_loss"] == pytest.approx(final["test_loss"], rel=1e-5)
+    assert _resnet_eval(state)["test_loss"] != pytest.approx(final["test_loss"], rel=1e-5)
+
+
+def test_resnet_evaluation_with_rank_0s_statistics(tmp_path_factory, tmp_path, capsys):
+    """``--eval-bn-batches 0``: the averaged model is evaluated with rank 0's statistics, as export --buffers 0."""
+    run = _run(tmp_path_factory, "resnet_bn0", "train_resnet.py",
+               [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--eval-bn-batches", "0"])
+    code, _, _ = _export(capsys, run, "-o", tmp_path / "avg.pt", "--average", "--buffers", "0")
+    final = _final_eval(run)
+    got = _resnet_eval(torch.load(tmp_path / "avg.pt", weights_only=True))
+    assert code == 0 and got["test_accuracy"] == final["test_accuracy"]
     assert got["test_loss"] == pytest.approx(final["test_loss"], rel=1e-5)
 
 

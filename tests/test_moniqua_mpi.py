@@ -22,17 +22,23 @@ pytestmark = pytest.mark.mpi
 
 
 def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0, per="tensor", rounding="dither"):
-    """Moniqua for every rank: theta from the previous step's statistics, mix the parts, then x -= lr g."""
+    """Moniqua for every rank: theta from the previous step's statistics, mix the parts, then x -= lr g.
+
+    theta: None (adaptive), "observed" or a fixed number."""
     n = schedule.size
     x = initial_flat().repeat(n, 1)
-    t_mix = spectral_t_mix(schedule.at(0).W, gamma) if theta is None else 1.0
-    rule = ReferenceTheta(theta, c, per, parts, t_mix)
+    observed = theta == "observed"
+    fixed = None if observed else theta
+    t_mix = spectral_t_mix(schedule.at(0).W, gamma) if fixed is None else 1.0
+    rule = ReferenceTheta(fixed, c, per, parts, t_mix, observed=observed)
     for t in range(steps):
         g = torch.stack([grad_at(x[r], r, t) for r in range(n)])
         if t == 0:
             rule.observe(x, lr * g)
-        mixed = reference_mix(x, mixing(schedule, t), t, rule.theta(), bits, parts, gamma, rounding)
+        mixed, distance = reference_mix(x, mixing(schedule, t), t, rule.theta(), bits, parts, gamma, rounding)
         rule.observe(x, lr * g)
+        if observed:
+            rule.observe_distance(distance)
         x = mixed - lr * g
     return x
 
@@ -43,11 +49,13 @@ def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0
     (1, 1, 0.5, None, "model", "nearest"),      # the paper's form
     (2, 3, 0.5, 0.4, "tensor", "dither"),       # fixed theta, parts that do not divide the tensors
     (8, 1, 1.0, None, "model", "dither"),
+    (4, 4, 1.0, "observed", "tensor", "dither"),  # theta from the recovered distances
+    (2, 1, 0.5, "observed", "model", "nearest"),
 ])
 def test_moniqua_matches_reference(comm, bits, parts, gamma, theta, per, rounding):
     def body():
         for schedule in topologies_for(comm.Get_size()):
-            if theta is None and not isinstance(schedule, Topology):
+            if theta in (None, "observed") and not isinstance(schedule, Topology):
                 continue  # the reference's t_mix uses one symmetric W
             c_ = Communicator(comm, schedule)
             options = dict(theta="adaptive") if theta is None else dict(theta=theta)
@@ -86,7 +94,7 @@ def message_bytes(bits: int, parts: int) -> int:
 
 
 @pytest.mark.parametrize("bits,parts,theta", [(4, 4, "adaptive"), (1, 1, 5.0), (2, 3, 5.0), (8, 2, "adaptive"),
-                                              (32, 1, "adaptive")])
+                                              (32, 1, "adaptive"), (4, 4, "observed")])
 def test_bytes_on_the_wire_match_the_formula(comm, bits, parts, theta):
     def body():
         n = comm.Get_size()
@@ -103,12 +111,13 @@ def test_bytes_on_the_wire_match_the_formula(comm, bits, parts, theta):
                 assert stats["step_bytes_sent"] == out_degree * 4 * d
                 continue
             message = message_bytes(bits, parts)
-            allreduce = 2 * (n - 1) * 8 * T // n  # 2 T float32 agreed per step (the Ledger's allreduce volume)
+            agreed = 3 * T if theta == "observed" else 2 * T  # float32 agreed per step (+ the distances)
+            allreduce = (n - 1) * 8 * agreed // n  # the Ledger's allreduce volume
             assert stats["wrapped_parts"] == 0
             assert stats["step_bytes_sent"] == out_degree * message + allreduce, schedule.name
-            assert stats["step_bytes_contributed"] == message + 8 * T
-            first_extra = 4 * T if theta == "adaptive" else 0  # one allreduce of T float32 before the first theta
-            assert first["step_bytes_contributed"] == message + 8 * T + first_extra
+            assert stats["step_bytes_contributed"] == message + 4 * agreed
+            first_extra = 4 * T if theta != 5.0 else 0  # one allreduce of T float32 before the first theta
+            assert first["step_bytes_contributed"] == message + 4 * agreed + first_extra
 
     run_all(comm, body)
 
@@ -258,7 +267,7 @@ def test_guard_raises_on_every_rank(comm):
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(theta=0.0), "theta must be 'adaptive' or a finite number > 0"),
+    (dict(theta=0.0), "theta must be 'adaptive', 'observed' or a finite number > 0"),
     (dict(theta="auto"), "theta must be 'adaptive'"),
     (dict(bits=3), "bits must be one of 1, 2, 4, 8"),
     (dict(parts=0), "parts must be an int >= 1"),
@@ -282,6 +291,7 @@ def test_bad_config_is_one_error_on_every_rank(comm, options, match):
     dict(momentum=0.9, weight_decay=1e-3),  # the default: theta per tensor, dither keyed by the step, parts
     dict(bits=2, rounding="stochastic", momentum=0.9),  # the stochastic-rounding generator
     dict(bits=2, theta=2e-3, theta_cap=8.0, parts=3),  # guard events: scales and counters are state
+    dict(theta="observed", momentum=0.9),  # the observed distances are state
 ])
 def test_state_round_trip_is_bit_exact(comm, options):
     def body():
@@ -295,6 +305,8 @@ def test_state_round_trip_is_bit_exact(comm, options):
         train(resumed, 3)
         assert torch.equal(resumed.flat.data, straight.flat.data)
         assert torch.equal(resumed.gossip.rule.scale, straight.gossip.rule.scale)
+        if options.get("theta") == "observed":
+            assert torch.equal(resumed.gossip.rule.distance, straight.gossip.rule.distance)
         assert resumed.stats()["wrapped_parts"] == straight.stats()["wrapped_parts"]
 
     run_all(comm, body)

@@ -222,6 +222,10 @@ class MoniquaADPSGDConfig(MoniquaConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.theta == "observed":
+            raise ValueError("theta='observed' is not available for moniqua_adpsgd: it agrees every rank's recovered "
+                             "distances in a per-step collective, which one-sided reads do not have; use 'adaptive' "
+                             "or a number")
         if self.guard not in ASYNC_GUARDS:
             raise ValueError(f"guard must be one of {ASYNC_GUARDS} for moniqua_adpsgd, got {self.guard!r} "
                              "(a resync needs a full-precision exchange with the peer; AD-PSGD's reads are one-sided)")

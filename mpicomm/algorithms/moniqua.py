@@ -8,7 +8,8 @@ codec of :mod:`mpicomm.codecs.lattice` with B_l = 2 theta_l / (1 - 2 delta))::
 
     q_{i,l} = b-bit code of x_i on S_l (dither u keyed by (seed, k, coordinate))   sent to out-neighbours
     x̂_j    = recovery of q_j from x_i on S_l, for j in N(i) and j = i           (check: nothing touched yet)
-    w_l     = max over ranks and edges of [fingerprint of x̂_j on S_l != j's own]  (allreduce(max), with theta's inputs)
+    w_l     = max over ranks and edges of [fingerprint of x̂_j on S_l != j's own]  (allreduce(max), with theta's inputs:
+              each tensor's local step and, under theta="observed", its largest |x̂_j - x_i| on S_l)
     x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i)           only for tensors with w_l = 0 (then mix)
     x_i <- x_i - alpha (mu buf + g)                      torch SGD step
 
@@ -60,7 +61,8 @@ temporaries, and a d-sized temporary for the local step whose per-tensor norms t
 
 Traffic per step: ``4 T + sum_l ceil(ceil(n_l / P) b / 8)`` bytes (rounded up to a multiple of 4) to each
 out-neighbour in one neighbour collective, plus an allreduce(max) of 2 T float32 (T tensors; booked by the
-Ledger as 2 (n - 1) / n x 8 T bytes); the first step of an adaptive theta adds one allreduce of T float32.
+Ledger as 2 (n - 1) / n x 8 T bytes; 3 T float32 under ``theta="observed"``, whose distances ride on it);
+the first step of an adaptive or observed theta adds one allreduce of T float32.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from .dpsgd import gossip_average
 from .moniqua_frame import Frame, message_noise, per_run
 from .moniqua_guard import LOW31, GuardRecord, ThetaBoundError, resync_parts
 from .moniqua_parts import PartLayout, local_step_sizes, tensor_inf
-from .moniqua_theta import TensorTheta, mixing_time
+from .moniqua_theta import THETA_RULES, TensorTheta, mixing_time
 from .registry import register
 
 __all__ = ["GUARDS", "IDENTITY_BITS", "ModuloGossip", "Moniqua", "MoniquaConfig", "ThetaBoundError", "default_gamma"]
@@ -103,7 +105,8 @@ class MoniquaConfig(AlgorithmConfig):
     bits: 1, 2, 4 or 8 (modulo codec) or 32 (identity). parts: P, each tensor sends one of P rotating
     parts per step (1: every coordinate). rounding: "dither" (shared subtractive), "nearest" or
     "stochastic" (bits >= 2). gamma: consensus step in (0, 1]; None: 0.5 at 1-2 bits, else 1.
-    theta: a number > 0 (fixed) or "adaptive". theta_per: "tensor" or "model" (one theta, the paper's).
+    theta: a number > 0 (fixed), "adaptive" (the bound rule) or "observed" (from the recovered distances,
+    see :mod:`.moniqua_theta`). theta_per: "tensor" or "model" (one theta, the paper's).
     theta_c: C of the adaptive rule. theta_decay: per-step decay of its running step bound, in [0, 1].
     theta_shrink: the guard scale's factor on a clean step, in (0, 1]. theta_cap: the most the guard
     may enlarge theta, >= 1. guard: "skip", "resync" or "raise".
@@ -137,9 +140,9 @@ class MoniquaConfig(AlgorithmConfig):
         if self.gamma is None:
             object.__setattr__(self, "gamma", default_gamma(self.bits))
         check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
-        if self.theta != "adaptive" and (isinstance(self.theta, bool) or not isinstance(self.theta, Real)
-                                         or not (math.isfinite(self.theta) and self.theta > 0)):
-            raise ValueError(f"theta must be 'adaptive' or a finite number > 0, got {self.theta!r}")
+        if self.theta not in THETA_RULES and (isinstance(self.theta, bool) or not isinstance(self.theta, Real)
+                                              or not (math.isfinite(self.theta) and self.theta > 0)):
+            raise ValueError(f"theta must be 'adaptive', 'observed' or a finite number > 0, got {self.theta!r}")
         if self.theta_per not in ("tensor", "model"):
             raise ValueError(f"theta_per must be 'tensor' or 'model', got {self.theta_per!r}")
         check_range("theta_c", self.theta_c, lo=0.0, lo_open=True)
@@ -190,9 +193,12 @@ class ModuloGossip:
         frames, increment = self._encode(x, step, scales, math.fsum(topo.neighbor_weights(rank)))
         rows = self.comm.neighbor_allgather(self.send, step=step)
         local = self._decode(step, frames, scales, rows, increment)
-        agreed = self._agree(torch.cat([local, statistic]))
-        wrapped, count = agreed[:self.layout.count] > 0, self.layout.count
-        self.rule.observe(agreed[count:])
+        count = self.layout.count
+        agreed = self._agree(torch.cat([local[:count], statistic, local[count:]]))
+        wrapped = agreed[:count] > 0
+        self.rule.observe(agreed[count:2 * count])
+        if self.rule.observed:
+            self.rule.observe_distance(agreed[2 * count:], wrapped)
         flags = wrapped.tolist()
         if any(flags) and self.config.guard == "raise":
             raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
@@ -233,22 +239,28 @@ class ModuloGossip:
         return frames, increment
 
     def _decode(self, step, frames, scales, rows, increment) -> torch.Tensor:
-        """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32)."""
+        """Add ``sum_j W_ij x̂_j`` to ``increment``; return the number of mismatched edges per tensor (float32),
+        followed, under ``theta="observed"``, by the largest ``|x̂_j - x_i|`` per tensor over the rows."""
         bits = self.config.bits
         weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
         body, count = self.layout.header_bytes, self.layout.count
         fingerprints = torch.zeros(len(rows), count + 1, dtype=torch.int64, device=increment.device)
         inverse = per_run(1.0 / scales, increment.device)
+        distance = torch.zeros(count + 1, dtype=torch.float32, device=increment.device) if self.rule.observed else None
         for frame in frames:
-            lo, hi, spread = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
+            lo, hi, inverse_at = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
             pair = torch.empty(2 * (hi - lo), dtype=torch.int64, device=increment.device)  # one for every row
             for k, (w, row) in enumerate(zip(weights, rows)):
                 L = frame.recover(row[body:], bits)
                 fingerprints[k].index_add_(0, frame.tensors, frame.fingerprints(L, pair))
-                increment[lo:hi].add_(frame.value(L, spread), alpha=w)
+                if distance is not None:  # (L - base) / s = x̂_j - x_i: lattice units until divided by s below
+                    distance.scatter_reduce_(0, frame.positions(), torch.sub(L, frame.base).abs_(), "amax")
+                increment[lo:hi].add_(frame.value(L, inverse_at), alpha=w)
         headers = rows[:, :body].view(torch.int32)
-        mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0)
-        return mismatched.to(torch.float32).cpu()
+        mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0).to(torch.float32)
+        if distance is not None:
+            mismatched = torch.cat([mismatched, distance[:count] / scales.to(distance)])
+        return mismatched.cpu()
 
     def _agree(self, values: torch.Tensor) -> torch.Tensor:
         return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
@@ -270,6 +282,8 @@ class ModuloGossip:
         if not self.identity and hasattr(self, "last_theta"):
             out.update(theta_min=float(self.last_theta.min()), theta_max=float(self.last_theta.max()),
                        theta_scale_max=float(self.rule.scale.max()))
+            if self.rule.distance is not None:
+                out["theta_distance_max"] = float(self.rule.distance.max())
         return out
 
     def state_dict(self) -> dict[str, Any]:

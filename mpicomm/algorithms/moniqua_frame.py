@@ -53,6 +53,13 @@ class Frame:
         self.u = None if key is None else lattice.dither(key, coords)
         self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
         self.base: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    def positions(self) -> torch.Tensor:
+        """The tensor (T for a gap) of every position of the chunk (int64, built on first use)."""
+        if self._positions is None:
+            self._positions = self.tensors.repeat_interleave(self.lengths, output_size=self.chunk.hi - self.chunk.lo)
+        return self._positions
 
     def spread(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """The float32 value of each run's tensor at each of its positions (``per_tensor`` has T + 1 entries)."""

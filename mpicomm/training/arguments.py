@@ -46,6 +46,9 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--lr-gamma", type=float, default=0.1)
     p.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
     p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: each epoch)")
+    p.add_argument("--eval-bn-batches", type=int, default=8, metavar="N",
+                   help="BatchNorm statistics of the averaged model are recomputed from N training batches per "
+                        "rank before it is evaluated (0: use rank 0's running statistics)")
     p.add_argument("--out-dir", default="", help="metrics.jsonl and checkpoints go here")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="also write the metrics as TensorBoard scalars into DIR (needs the tensorboard extra)")
@@ -91,7 +94,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         epochs=args.epochs, max_steps=args.max_steps, lr=args.lr, lr_schedule=args.lr_schedule,
         warmup_steps=args.lr_warmup_steps, milestones=args.milestones, lr_gamma=args.lr_gamma,
-        log_every=args.log_every, eval_every=args.eval_every, out_dir=args.out_dir, save_every=args.save_every,
+        log_every=args.log_every, eval_every=args.eval_every, eval_bn_batches=args.eval_bn_batches,
+        out_dir=args.out_dir, save_every=args.save_every,
         keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,

@@ -85,6 +85,7 @@ class TrainConfig:
     lr_gamma: float = 0.1
     log_every: int = 10
     eval_every: int = 0
+    eval_bn_batches: int = 8
     out_dir: str = ""
     save_every: int = 0
     keep_last: int = 2
@@ -101,7 +102,7 @@ class TrainConfig:
         for name in ("epochs", "log_every", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_every", "save_every", "warmup_steps", "stop_at_step"):
+        for name in ("max_steps", "eval_every", "eval_bn_batches", "save_every", "warmup_steps", "stop_at_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.keep_last < 1:
@@ -311,7 +312,7 @@ class _Run:
                 if (cfg.eval_every and step % cfg.eval_every == 0) or (crossed_epoch and not cfg.eval_every) \
                         or step == total:
                     with algo.comm.unmetered():
-                        last_eval = evaluate(task, algo, self.mpi_comm)
+                        last_eval = evaluate(task, algo, self.mpi_comm, cfg.eval_bn_batches)
                     self.metrics.write({"event": "eval", "step": step,
                                         "epoch": epoch + (index + 1) / task.steps_per_epoch,
                                         "wall_s": self.wall(), "train_s": self.train_s, **last_eval,

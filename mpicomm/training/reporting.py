@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .batchnorm import recomputed_statistics
+
 __all__ = ["Progress", "account", "evaluate", "log_window"]
 
 
@@ -31,10 +33,20 @@ def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
         algo.flat.data.copy_(saved)
 
 
-def evaluate(task, algo, mpi_comm) -> dict[str, float]:
-    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models."""
+def evaluate(task, algo, mpi_comm, bn_batches: int = 0) -> dict[str, float]:
+    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models.
+
+    ``bn_batches`` > 0: the averaged model is evaluated with BatchNorm statistics recomputed for its own
+    weights from that many training batches per rank (:mod:`.batchnorm`); 0: with this rank's statistics.
+    The ranks' own models keep their own statistics.
+    """
     average = algo.consensus_model()
-    out = _with_params(algo, average, lambda: task.evaluate(algo.model))
+
+    def averaged() -> dict[str, float]:
+        with recomputed_statistics(algo.model, task, bn_batches, mpi_comm):
+            return task.evaluate(algo.model)
+
+    out = _with_params(algo, average, averaged)
     own = _with_params(algo, algo.flat.data, lambda: task.evaluate(algo.model))
     everyone = mpi_comm.allgather(own)
     for key in own:
