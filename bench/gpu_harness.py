@@ -42,6 +42,8 @@ ALGORITHMS = {
     "dcd": ({"codec": "sign"}, False),
     "pdsgdm": ({"period": 2, "momentum": 0.9}, False),
     "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
+    "adpsgd": ({"momentum": 0.9}, True),  # asynchronous: which peer state a pull sees varies, so 10 %
+    "moniqua_adpsgd": ({"momentum": 0.9}, True),
     "allreduce_sgd": ({"momentum": 0.9}, False),
     "qsgd": ({"bits": 4}, True),
     "qsgd_overlap": ({"bits": 4, "overlap": True, "first_bucket_numel": 4096, "bucket_numel": 65536}, True),

@@ -108,10 +108,12 @@ def test_async_guard_detects_every_wrap_and_skips(job):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("transport", ["shared", "rma"])
-def test_mailbox_publish_and_read(comm, transport):
-    """Every rank reads every other rank's latest slot, byte for byte, on both transports."""
+@pytest.mark.parametrize("stage", ["auto", "always"])
+def test_mailbox_publish_and_read(comm, transport, stage):
+    """Every rank reads every other rank's latest slot, byte for byte, on both transports; ``stage="always"``
+    goes through the host staging buffer that device tensors take (and must have used it)."""
     def body():
-        c = Communicator(comm, topologies_for(comm.Get_size())[0])
+        c = Communicator(comm, topologies_for(comm.Get_size())[0], stage=stage)
         box = Mailbox(c, 13, transport)
         wrong = []
         for version in range(3):
@@ -122,8 +124,9 @@ def test_mailbox_publish_and_read(comm, transport):
                 if not torch.equal(box.read(peer, out), torch.arange(13, dtype=torch.uint8) + 10 * peer + version):
                     wrong.append((version, peer))
             comm.Barrier()
-        used, received = box.transport, c.ledger.bytes_received("rma_get")
+        used, received, staged = box.transport, c.ledger.bytes_received("rma_get"), box._host is not None
         box.close()
         assert not wrong and used == transport and received == 3 * c.size * 13, (wrong, used, received)
+        assert staged == (stage == "always")
 
     run_all(comm, body)

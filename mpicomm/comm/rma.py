@@ -16,7 +16,10 @@ transports, chosen collectively at construction:
   (see docs/PLATFORM.md; :func:`passive_progress_warning` says when that looks missing). Its progress
   thread spins, so on an oversubscribed node the shared transport is much faster.
 
-Construction and :meth:`Mailbox.close` are collective. Reads are booked in the communicator's Ledger as
+Windows live in host memory, so a device (CUDA) tensor is staged through one host buffer of the slot's
+size (pinned when CUDA is available): published by a device-to-host copy, read into it and copied to the
+device. A communicator built with ``stage="always"`` stages CPU tensors the same way (testing that path
+without a GPU). Construction and :meth:`Mailbox.close` are collective. Reads are booked in the communicator's Ledger as
 operation ``"rma_get"``: the reader contributes (and receives from the owner) ``nbytes`` per read;
 publishing is a local copy and books nothing.
 """
@@ -54,6 +57,8 @@ class Mailbox:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self._comm, self.nbytes, self.rank = comm, nbytes, comm.rank
+        self._stage_always = getattr(getattr(comm, "router", None), "stage", "auto") == "always"
+        self._host: torch.Tensor | None = None  # staging buffer for device tensors, made on first use
         node = comm.comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         one_node = comm.comm.allreduce(node.Get_size(), op=MPI.MIN) == comm.size
         if transport == "shared" and not one_node:
@@ -80,8 +85,10 @@ class Mailbox:
         return self._slots[rank][:_SEQ].numpy().view(np.int64)
 
     def publish(self, data: torch.Tensor) -> None:
-        """Overwrite this rank's slot with the ``nbytes`` bytes of the contiguous CPU tensor ``data``."""
+        """Overwrite this rank's slot with the ``nbytes`` bytes of the contiguous tensor ``data`` (any device)."""
         raw = _raw(data, self.nbytes, "Mailbox.publish")
+        if self._staged(raw):
+            raw = self._staging().copy_(raw)
         if self.transport == "shared":
             seq = self._seq(self.rank)
             seq[0] += 1  # odd: writing
@@ -96,8 +103,9 @@ class Mailbox:
         self.win.Unlock(self.rank)
 
     def read(self, rank: int, out: torch.Tensor) -> torch.Tensor:
-        """Copy rank ``rank``'s slot into ``out`` (contiguous CPU, ``nbytes`` bytes); returns ``out``."""
-        raw = _raw(out, self.nbytes, "Mailbox.read")
+        """Copy rank ``rank``'s slot into ``out`` (contiguous, ``nbytes`` bytes, any device); returns ``out``."""
+        target = _raw(out, self.nbytes, "Mailbox.read")
+        raw = self._staging() if self._staged(target) else target
         if self.transport == "shared":
             seq, slot = self._seq(rank), self._slots[rank][_SEQ:_SEQ + self.nbytes]
             while True:
@@ -114,8 +122,18 @@ class Mailbox:
             self.win.Lock(rank, MPI.LOCK_SHARED)
             self.win.Get(as_bytes(raw), rank)
             self.win.Unlock(rank)
+        if raw is not target:
+            target.copy_(raw)
         self._comm.ledger.record("rma_get", self.nbytes, {}, {rank: self.nbytes})
         return out
+
+    def _staged(self, raw: torch.Tensor) -> bool:
+        return raw.device.type != "cpu" or self._stage_always
+
+    def _staging(self) -> torch.Tensor:
+        if self._host is None:
+            self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._host
 
     def close(self) -> None:
         """Collective: free the window (every rank must have finished reading)."""
@@ -132,8 +150,8 @@ def _empty() -> torch.Tensor:
 
 
 def _raw(t: torch.Tensor, nbytes: int, who: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"{who}: expected a contiguous CPU tensor")
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+        raise ValueError(f"{who}: expected a contiguous tensor")
     raw = t.detach().reshape(-1).view(torch.uint8)
     if raw.numel() != nbytes:
         raise ValueError(f"{who}: tensor has {raw.numel()} bytes, the mailbox slot has {nbytes}")
