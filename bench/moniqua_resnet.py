@@ -8,7 +8,8 @@ rank per step, lr 0.1 cosine, momentum 0.9, ring), one per seed; finished runs a
 max - min over the seeds), accuracy difference to D-PSGD (same seeds), bytes handed to MPI per rank
 (ratio to D-PSGD's, same seeds), bits per parameter per step (everything rank 0 sent: payload, headers,
 the theta collective), and the guard's wrapped/skipped parts. ``--extra`` adds the ResNet-32 and 8-rank
-ring rows (the default next to D-PSGD, first seed only).
+ring rows (D-PSGD, the default, theta_c 0.1 and the observed theta, first two seeds). The averaged model is
+evaluated with BatchNorm statistics recomputed for it (the apps' default, ``--eval-bn-batches 8``).
 
 Writes docs/results/moniqua_resnet.{md,json}.
 """
@@ -33,12 +34,14 @@ CASES = [  # label, extra arguments, most seeds to run (None: all of --seeds)
     ("Moniqua default (4 bits 1/4 parts)", DEFAULT, None),
     ("Moniqua 4 bits 1/2 parts", [*DEFAULT, "--parts", "2"], None),
     ("Moniqua paper form (1 bit one theta)", PAPER, 2),  # fails clearly on both seeds: two are enough
-    ("Moniqua default theta_c 0.5", [*DEFAULT, "--theta-c", "0.5"], None),  # sensitivity: half the theta
+    ("Moniqua theta_c 0.1", [*DEFAULT, "--theta-c", "0.1"], None),  # a tenth of the bound rule's theta
+    ("Moniqua observed theta", [*DEFAULT, "--theta", "observed"], None),  # theta from the recovered distances
 ]
-EXTRA = [  # (group label, model, ranks), run with D-PSGD and the default on seed 0
+EXTRA = [  # (group label, model, ranks), run with EXTRA_CASES on the first two seeds
     ("ResNet-32, 4-ring", "resnet32", 4),
     ("ResNet-20, 8-ring", "resnet20", 8),
 ]
+EXTRA_CASES = ("D-PSGD", "Moniqua default (4 bits 1/4 parts)", "Moniqua theta_c 0.1", "Moniqua observed theta")
 
 
 def run_case(label, extra, model, ranks, seed, epochs, fresh):
@@ -81,7 +84,8 @@ def main() -> None:
     rows, payload = [], []
     groups = [("ResNet-20, 4-ring", "resnet20", 4, chosen, seeds)]
     if args.extra:
-        groups += [(g, m, n, [(label, extra, 1) for label, extra, _ in CASES[:2]], seeds) for g, m, n in EXTRA]
+        groups += [(g, m, n, [(label, extra, 2) for label, extra, _ in CASES if label in EXTRA_CASES], seeds)
+                   for g, m, n in EXTRA]
     for group, model, ranks, cases, group_seeds in groups:
         results = {label: [run_case(label, extra, model, ranks, s, args.epochs, args.fresh)
                            for s in group_seeds[:most or len(group_seeds)]]

@@ -31,6 +31,8 @@ CASES = [  # label, arguments
     ("AllReduce-SGD", ["--algorithm", "allreduce_sgd"]),
     ("D-PSGD", ["--algorithm", "dpsgd"]),
     ("Moniqua default ~1 bit", ["--algorithm", "moniqua"]),  # 4 bits on a rotating quarter of each tensor
+    ("Moniqua theta_c 0.1 ~1 bit", ["--algorithm", "moniqua", "--theta-c", "0.1"]),
+    ("Moniqua observed theta ~1 bit", ["--algorithm", "moniqua", "--theta", "observed"]),
     ("Moniqua 4-bit 1/2 ~2 bit", ["--algorithm", "moniqua", "--parts", "2"]),
     ("Moniqua paper 1-bit", ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model",
                              "--rounding", "nearest", "--gamma", "0.5"]),
