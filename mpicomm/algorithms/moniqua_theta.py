@@ -72,11 +72,10 @@ class TensorTheta:
     times the guard's scale per tensor (``t = P t_mix``)."""
 
     def __init__(self, count: int, config, t: float):
-        self.count, self.t = count, t
-        self.floor_t = config.parts if config.theta == "observed" else t  # theta >= THETA_FLOOR ||x_l|| either way
+        self.count, self.t, self.parts = count, t, config.parts
         self.fixed = None if config.theta in THETA_RULES else float(config.theta)
         self.observed = config.theta == "observed"
-        self.parts = config.parts
+        self.floor_t = self.parts if self.observed else t  # theta >= THETA_FLOOR ||x_l|| either way
         self.per_model = config.theta_per == "model"
         self.c, self.decay = config.theta_c, config.theta_decay
         self.cap, self.shrink = config.theta_cap, config.theta_shrink
@@ -94,17 +93,17 @@ class TensorTheta:
 
     def observe(self, agreed: torch.Tensor) -> None:
         """Fold in one step's agreed max_i s_{i,l}."""
-        s = agreed.double().clamp_min(1e-30)
-        if self.per_model:
-            s = s.max().expand(self.count).clone()
-        self.bound = s if self.bound is None else torch.maximum(self.bound * self.decay, s)
+        self.bound = self._fold(self.bound, agreed.double().clamp_min(1e-30))
 
     def observe_distance(self, agreed: torch.Tensor, wrapped: torch.Tensor) -> None:
-        """Fold in one step's agreed max distance per tensor, leaving out the tensors whose part ``wrapped``."""
-        d = torch.where(wrapped > 0, 0.0, agreed.double())
+        """Fold in one step's agreed max distance per tensor, leaving out the tensors whose part ``wrapped`` (bool)."""
+        self.distance = self._fold(self.distance, torch.where(wrapped, 0.0, agreed.double()))
+
+    def _fold(self, running: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``max(decay running, new)`` (``new`` alone at first); one value for all tensors under per="model"."""
         if self.per_model:
-            d = d.max().expand(self.count).clone()
-        self.distance = d if self.distance is None else torch.maximum(self.distance * self.decay, d)
+            new = new.max().expand(self.count).clone()
+        return new if running is None else torch.maximum(running * self.decay, new)
 
     def guard(self, wrapped: torch.Tensor) -> None:
         """Grow the scale of the tensors whose part wrapped (x2, at most ``cap``), shrink the others (to 1)."""

@@ -57,7 +57,7 @@ class Mailbox:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self._comm, self.nbytes, self.rank = comm, nbytes, comm.rank
-        self._stage_always = getattr(getattr(comm, "router", None), "stage", "auto") == "always"
+        self._stage_always = comm.router.stage == "always"
         self._host: torch.Tensor | None = None  # staging buffer for device tensors, made on first use
         node = comm.comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         one_node = comm.comm.allreduce(node.Get_size(), op=MPI.MIN) == comm.size
