@@ -2,8 +2,8 @@
 
 * ``bitpack.unpack_lookup`` moves a byte's floats as whole 8/16-byte words when ``out`` is aligned and as
   float rows otherwise: both must equal ``table[codes]`` byte for byte, NaN payloads included.
-* ``lattice.dither`` (numpy uint64 slices on a CPU, torch slices elsewhere, the finaliser's last xor skipped)
-  must equal splitmix64 computed on Python ints.
+* ``lattice.dither`` (the fused kernel or numpy uint64 slices on a CPU, torch slices elsewhere, the
+  finaliser's last xor skipped) must equal splitmix64 computed on Python ints.
 * ``lattice.lattice_encode`` / ``lattice_decode`` / ``lattice_value`` must equal the formulas of the module
   docstring written out in plain torch.
 """
@@ -48,7 +48,7 @@ def test_unpack_lookup_wide_and_row_paths_copy_the_table_bytes(bits, offset):
         assert torch.equal(buf[:offset], torch.full((offset,), 7.0))
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("backend", ["kernels", "numpy", "torch"])
 def test_dither_equals_splitmix_on_python_ints(backend):
     g = torch.Generator().manual_seed(1)
     coords = torch.cat([torch.arange(0, 50), torch.randint(0, 1 << 40, (200,), generator=g)])

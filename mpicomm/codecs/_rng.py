@@ -61,14 +61,20 @@ class SeededGenerator:
             raise ValueError(f"codec generator lives on {self._gen.device}; got an input on {device}")
         return self._gen
 
+    def draw16(self, m: int, device: torch.device) -> torch.Tensor:
+        """``m`` draws of r - 32768 (int16, r uniform on 0..65535; a view of scratch valid until the next draw).
+
+        :meth:`uniform_` of ``m`` elements advances the generator exactly as this does.
+        """
+        words = (m + 3) // 4
+        if self._scratch is None or self._scratch.device != device or self._scratch.numel() < words:
+            self._scratch = torch.empty(words, dtype=torch.int64, device=device)
+        draws = self._scratch[:words].random_(-(2**63), None, generator=self.get(device))
+        return draws.view(torch.int16)[:m]
+
     def uniform_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill the float32 tensor ``out`` with u = (r + 1/2)/2**16 in (0, 1), r uniform on 0..65535."""
-        m, dev = out.numel(), out.device
-        words = (m + 3) // 4
-        if self._scratch is None or self._scratch.device != dev or self._scratch.numel() < words:
-            self._scratch = torch.empty(words, dtype=torch.int64, device=dev)
-        draws = self._scratch[:words].random_(-(2**63), None, generator=self.get(dev))
-        out.copy_(draws.view(torch.int16)[:m])  # r - 32768, exact in float32
+        out.copy_(self.draw16(out.numel(), out.device))  # r - 32768, exact in float32
         return out.add_(32768.5).mul_(2.0**-16)
 
     def state_dict(self) -> dict:

@@ -9,9 +9,12 @@ ceil(n*bits/8)`` bytes.
 
 Backends: ``"numpy"`` works on zero-copy numpy views of CPU tensors (``np.packbits``/``np.unpackbits``
 for 1 bit, in-place ufuncs and byte lookup tables otherwise; single-threaded, so it is also what one MPI
-rank per core wants); ``"torch"`` is pure torch and is what CUDA tensors use. ``"auto"`` (the default)
-means numpy on a CPU and torch elsewhere. Both give identical bytes; the module default can be switched
-with ``use_backend("torch")`` so that tests exercise the device code path on a CPU.
+rank per core wants); ``"torch"`` is pure torch and is what CUDA tensors use. ``"kernels"`` is numpy plus
+the codecs' fused single-pass CPU kernels (:mod:`mpicomm.codecs.kernels`, compiled by numba), which the
+codecs use where they have one. ``"auto"`` (the default) means kernels on a CPU and torch elsewhere. All
+give identical bytes; the module default can be switched with ``use_backend("numpy")`` or
+``use_backend("torch")`` so that tests compare the kernels with the op-at-a-time paths they replace and
+exercise the device code path on a CPU.
 Widths 3, 5, 6 and 7 go through 64-bit words: 8 values of ``b`` bits are ``b`` whole bytes, assembled
 in a little-endian uint64 (the host and CUDA devices are little-endian).
 """
@@ -27,6 +30,7 @@ import torch
 
 __all__ = [
     "BACKENDS",
+    "kernels_enabled",
     "numpy_enabled",
     "pack",
     "packed_bytes",
@@ -35,7 +39,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("auto", "numpy", "torch")
+BACKENDS = ("auto", "kernels", "numpy", "torch")
 _default_backend = "auto"
 _BYTE_CODES: dict = {}  # (bits, device, "numpy"|"torch") -> (256, 8 // bits) codes held by each byte value
 # unpack_lookup moves the 8 // bits float32 values of one byte as whole 8- or 16-byte words (a 1-D gather of
@@ -57,12 +61,17 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if device.type != "cpu":
         return "torch"
-    return "numpy" if backend == "auto" else backend
+    return "kernels" if backend == "auto" else backend
 
 
 def numpy_enabled(device: torch.device, backend: str | None = None) -> bool:
     """Whether numpy fast paths may be used for tensors on ``device`` (CPU and backend not ``"torch"``)."""
-    return _resolve_backend(backend, device) == "numpy"
+    return _resolve_backend(backend, device) != "torch"
+
+
+def kernels_enabled(device: torch.device, backend: str | None = None) -> bool:
+    """Whether the fused CPU kernels of :mod:`mpicomm.codecs.kernels` are used for tensors on ``device``."""
+    return _resolve_backend(backend, device) == "kernels"
 
 
 def _byte_codes(bits: int, device: torch.device, kind: str):
@@ -76,7 +85,7 @@ def _byte_codes(bits: int, device: torch.device, kind: str):
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
-    """Context manager that sets the module default backend (``"auto"``, ``"numpy"`` or ``"torch"``)."""
+    """Context manager that sets the module default backend (one of :data:`BACKENDS`)."""
     global _default_backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -127,7 +136,7 @@ def pack(
     out = _prepare_out(out, packed_bytes(n, bits), values.device, "pack")
     if check and bits < 8 and n and int(values.max()) >= 1 << bits:
         raise ValueError(f"pack: values must be < 2**bits = {1 << bits}, got max {int(values.max())}")
-    if _resolve_backend(backend, values.device) == "numpy":
+    if numpy_enabled(values.device, backend):
         _pack_numpy(values.numpy(), bits, out.numpy())
     else:
         _pack_torch(values, bits, out)
@@ -148,7 +157,7 @@ def unpack(
     if packed.numel() != size:
         raise ValueError(f"unpack: packed must hold packed_bytes({n}, {bits}) = {size} bytes, got {packed.numel()}")
     out = _prepare_out(out, n, packed.device, "unpack")
-    if _resolve_backend(backend, packed.device) == "numpy":
+    if numpy_enabled(packed.device, backend):
         _unpack_numpy(packed.numpy(), bits, n, out.numpy())
     else:
         _unpack_torch(packed, bits, n, out)

@@ -93,7 +93,8 @@ def dither(key: int, coords: torch.Tensor, out: torch.Tensor | None = None) -> t
     """u in [-1/2, 1/2) (float32, multiples of 2^-24) at the flat coordinates ``coords`` (int64) of stream ``key``.
 
     u = (bits 40..63 of splitmix64's finaliser of ``coords * golden + key``) * 2^-24 - 1/2, computed in
-    slices of ``DITHER_CHUNK`` coordinates (numpy's uint64 ufuncs on a CPU, torch elsewhere: the same bits).
+    one pass on a CPU (:mod:`mpicomm.codecs.kernels.dither`), else in slices of ``DITHER_CHUNK`` coordinates
+    (numpy's uint64 ufuncs with ``bitpack.use_backend("numpy")``, torch elsewhere): the same bits.
     Written into ``out`` (a contiguous float32 tensor of ``coords.numel()`` elements) if given.
     """
     coords = coords.reshape(-1).contiguous()
@@ -102,6 +103,10 @@ def dither(key: int, coords: torch.Tensor, out: torch.Tensor | None = None) -> t
         out = torch.empty(n, dtype=torch.float32, device=dev)
     elif out.shape != (n,) or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous():
         raise ValueError(f"dither: out must be a contiguous float32 tensor of {n} elements on {dev}")
+    if bitpack.kernels_enabled(dev):
+        from .kernels.dither import dither as fused
+        fused(np.uint64(key & _MASK64), coords.numpy(), out.numpy())
+        return out
     m = min(n, DITHER_CHUNK)
     z, w = torch.empty(m, dtype=torch.int64, device=dev), torch.empty(m, dtype=torch.int64, device=dev)
     fast = bitpack.numpy_enabled(dev)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from . import bitpack
+from . import bitpack, kernels
 from ._layout import check_numel, chunk_elems, chunk_ranges, prepare_out, read_field, write_field
 from ._rng import SeededGenerator
 from .base import Codec, check_flat_float, check_payload
@@ -108,10 +109,25 @@ class QSGDCodec(Codec):
         y = torch.empty(min(step, n), dtype=torch.float32, device=dev)
         q = torch.empty(y.numel(), dtype=torch.int8, device=dev)
         x32 = torch.empty_like(y) if x.dtype != torch.float32 else None
+        kernel = self._kernel(dev)
         for start, stop in chunk_ranges(n, step):
             m = stop - start
             yc, qc = y[:m], q[:m]
             xc = x[start:stop] if x32 is None else x32[:m].copy_(x[start:stop])
+            if kernel is not None:
+                out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)].numpy()
+                if self.bucket_size is None:
+                    bucket, invs = m, np.full(1, inv_whole, np.float32)
+                else:
+                    first, bucket = start // self.bucket_size, self.bucket_size
+                    scales = read_field(payload, 4 * first, -(-m // bucket), torch.float32).numpy()
+                    invs = np.empty(scales.size, np.float32)
+                    kernel.bucket_scales(xc.numpy(), bucket, np.float32(self.s), scales, invs)
+                if uniforms is None:
+                    kernel.encode(xc.numpy(), self._rng.draw16(m, dev).numpy(), invs, bucket, bits, out)
+                else:
+                    kernel.encode_with_uniforms(xc.numpy(), uniforms[start:stop].numpy(), invs, bucket, bits, out)
+                continue
             if self.bucket_size is None:
                 self._uniform(yc, uniforms, start).add_(xc, alpha=inv_whole)
             else:
@@ -134,6 +150,16 @@ class QSGDCodec(Codec):
             bitpack.pack(codes, bits, out=out, check=False)
         return payload
 
+    def _kernel(self, device: torch.device):
+        """The fused kernels' module (:mod:`.kernels.qsgd`) when they handle this codec on ``device``, else None:
+        a CPU, a whole number of bytes of codes per bucket."""
+        if not bitpack.kernels_enabled(device) or self.bits not in kernels.WIDTHS:
+            return None
+        if self.bucket_size is not None and self.bucket_size * self.bits % 8:
+            return None
+        from .kernels import qsgd
+        return qsgd
+
     def _uniform(self, yc: torch.Tensor, uniforms: torch.Tensor | None, start: int) -> torch.Tensor:
         """Fill the chunk ``yc`` (at ``start``) with fresh draws, or with the given ``uniforms``."""
         if uniforms is None:
@@ -148,6 +174,11 @@ class QSGDCodec(Codec):
         nb = self.num_buckets(numel)
         factors = read_field(payload, 0, nb, torch.float32) / self.s
         body = payload[4 * nb :]
+        kernel = self._kernel(dev)
+        if kernel is not None:
+            bucket = numel if self.bucket_size is None else self.bucket_size
+            kernel.decode(body.numpy(), factors.numpy(), bucket, bits, out.numpy())
+            return out
         step = self._chunk(dev)
         lookup = bits in (2, 4)  # one gather per byte beats unpack + sign-extend + convert
         if lookup:

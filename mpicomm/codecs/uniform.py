@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from . import bitpack
+from . import bitpack, kernels
 from ._layout import (
     check_numel,
     chunk_elems,
@@ -98,9 +99,21 @@ class UniformCodec(Codec):
         y = torch.empty(min(step, n), dtype=torch.float32, device=x.device)
         u = torch.empty_like(y) if rng is not None else None
         codes = torch.empty(y.numel(), dtype=torch.uint8, device=x.device)
+        kernel = bitpack.kernels_enabled(x.device) and bits in kernels.WIDTHS
+        if kernel:
+            from .kernels import uniform as kuniform
+            args = (np.float32(lo.item()), np.float32(scale.item()), np.float32(self.levels), bits)
         for start, stop in chunk_ranges(n, step):
             m = stop - start
             yc, cc = y[:m], codes[:m]
+            out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
+            if kernel:
+                xc = f32_chunk(x[start:stop], yc).numpy()
+                if rng is None:
+                    kuniform.encode_nearest(xc, *args, out.numpy())
+                else:
+                    kuniform.encode_stochastic(xc, rng.draw16(m, x.device).numpy(), *args, out.numpy())
+                continue
             torch.sub(f32_chunk(x[start:stop], yc), lo, out=yc)
             yc.mul_(scale)
             if rng is None:
@@ -109,7 +122,6 @@ class UniformCodec(Codec):
                 yc.add_(rng.uniform_(u[:m]))
             yc.clamp_(0.0, self.levels)
             store_codes(cc, yc, bits)  # truncation == floor on non-negative values
-            out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
             bitpack.pack(cc, bits, out=out, check=False)
         return payload
 
@@ -121,6 +133,10 @@ class UniformCodec(Codec):
         delta, lo = ((hi - lo) / self.levels).float(), lo.float()
         body, bits, dev = payload[self._header :], self.bits, payload.device
         step = chunk_elems(dev)
+        if bitpack.kernels_enabled(dev) and bits in kernels.WIDTHS:
+            from .kernels import uniform as kuniform
+            kuniform.decode(body.numpy(), np.float32(lo.item()), np.float32(delta.item()), bits, out.numpy())
+            return out
         lookup = bits in (1, 2, 4)  # one gather per byte beats unpack + convert + affine
         if lookup:
             table = torch.arange(self.levels + 1, dtype=torch.float32, device=dev).mul_(delta).add_(lo)
