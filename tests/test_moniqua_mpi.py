@@ -333,3 +333,31 @@ def test_cutting_the_message_into_chunks_changes_no_bit(comm, options):
         assert runs[0].stats()["wrapped_parts"] == runs[1].stats()["wrapped_parts"]
 
     run_all(comm, body)
+
+
+@pytest.mark.parametrize("options", [dict(bits=4, parts=4), dict(bits=1, parts=1, rounding="nearest"),
+                                     dict(bits=2, parts=3, rounding="stochastic"), dict(bits=4, theta="observed"),
+                                     dict(bits=8, parts=2, theta=0.002, guard="skip")])
+def test_fused_kernels_change_no_bit(comm, options):
+    """The fused CPU kernels (``Frame.encode``/``recover_into``), the numpy path and the torch (CUDA) path give
+    the same models, theta, wrap counts and wire bytes, wraps included (theta 0.002)."""
+    from mpicomm.codecs import bitpack
+
+    def body():
+        schedule = topologies_for(comm.Get_size())[0]
+        runs = []
+        for backend in ("kernels", "numpy", "torch"):
+            with bitpack.use_backend(backend):
+                algo = make_algorithm("moniqua", make_model(seed=comm.Get_rank()), Communicator(comm, schedule),
+                                      lr=0.1, momentum=0.9, broadcast_init=False, **options)
+                train(algo, 5)
+            runs.append(algo)
+        if options.get("theta") == 0.002:
+            assert runs[0].stats()["wrapped_parts"] > 0
+        for other in runs[1:]:
+            assert torch.equal(runs[0].flat.data, other.flat.data)
+            assert torch.equal(runs[0].gossip.rule.theta(), other.gossip.rule.theta())
+            assert torch.equal(runs[0].gossip.send, other.gossip.send)
+            assert runs[0].stats() == other.stats()
+
+    run_all(comm, body)

@@ -230,10 +230,8 @@ class ModuloGossip:
         noise = None if self.noise is None else message_noise(self.layout, step, self.chunk, self.noise, dev)
         frames, own = [], torch.zeros(self.layout.count + 1, dtype=torch.int64, device=dev)
         for chunk in self.layout.plan(step, self.chunk):
-            frame = Frame(chunk, dev, key)
-            L = frame.lattice(x, scale, noise)  # frame.base: the receivers' t, with their own x, for every decode
-            own.index_add_(0, frame.tensors, frame.pack(L, bits, body))
-            torch.mul(frame.value(L, frame.spread(inverse)), -wsum, out=increment[chunk.lo:chunk.hi])
+            frame = Frame(chunk, dev, key)  # frame.base: the receivers' t, with their own x, for every decode
+            frame.encode(x, scale, inverse, noise, bits, body, own, -wsum, increment[chunk.lo:chunk.hi])
             frames.append(frame)
         self.layout.header(self.send).copy_(own[:-1].bitwise_and_(LOW31))
         return frames, increment
@@ -248,14 +246,9 @@ class ModuloGossip:
         inverse = per_run(1.0 / scales, increment.device)
         distance = torch.zeros(count + 1, dtype=torch.float32, device=increment.device) if self.rule.observed else None
         for frame in frames:
-            lo, hi, inverse_at = frame.chunk.lo, frame.chunk.hi, frame.spread(inverse)
-            pair = torch.empty(2 * (hi - lo), dtype=torch.int64, device=increment.device)  # one for every row
+            lo, hi = frame.chunk.lo, frame.chunk.hi
             for k, (w, row) in enumerate(zip(weights, rows)):
-                L = frame.recover(row[body:], bits)
-                fingerprints[k].index_add_(0, frame.tensors, frame.fingerprints(L, pair))
-                if distance is not None:  # (L - base) / s = x̂_j - x_i: lattice units until divided by s below
-                    distance.scatter_reduce_(0, frame.positions(), torch.sub(L, frame.base).abs_(), "amax")
-                increment[lo:hi].add_(frame.value(L, inverse_at), alpha=w)
+                frame.recover_into(row[body:], bits, inverse, w, fingerprints[k], distance, increment[lo:hi])
         headers = rows[:, :body].view(torch.int32)
         mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0).to(torch.float32)
         if distance is not None:

@@ -18,14 +18,17 @@ Moniqua (:mod:`.moniqua`) and by Moniqua-AD-PSGD's message (:mod:`.moniqua_pull`
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..codecs import bitpack, lattice
+from ..codecs import bitpack, kernels, lattice
 from ..codecs._layout import chunk_elems, chunk_ranges
 from .moniqua_guard import run_fingerprints
 from .moniqua_parts import Chunk, PartLayout
 
 __all__ = ["FRAME_CPU", "Frame", "frame_elems", "int64_pair", "message_noise", "per_run"]
+
+_EMPTY = np.empty(0, dtype=np.float32)  # an absent dither, noise or distance, for the kernels
 
 FRAME_CPU = 1 << 16
 """Code positions per frame on a CPU: a frame's int64 temporaries (512 KiB each) stay in a core's L2 cache and
@@ -48,12 +51,85 @@ class Frame:
         self.lengths = torch.tensor(chunk.lengths, device=device)
         self.tensors = torch.tensor(chunk.tensors, device=device)
         self.ends = torch.tensor(chunk.ends, device=device)
-        shift = torch.tensor(chunk.shifts, device=device).repeat_interleave(self.lengths, output_size=n)
-        coords = torch.arange(chunk.lo, chunk.hi, device=device).add_(shift)
-        self.u = None if key is None else lattice.dither(key, coords)
-        self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
+        if bitpack.kernels_enabled(device):  # one pass, no coordinate tensor
+            from ..codecs.kernels import lattice_frame
+
+            self.u = None if key is None else torch.empty(n, dtype=torch.float32)
+            self.hashes = torch.empty(n, dtype=torch.int32)
+            lattice_frame.coordinates(chunk.lo, self.lengths.numpy(), np.array(chunk.shifts, dtype=np.int64),
+                                      np.uint64(0 if key is None else key % (1 << 64)), self._u(), self.hashes.numpy())
+        else:
+            shift = torch.tensor(chunk.shifts, device=device).repeat_interleave(self.lengths, output_size=n)
+            coords = torch.arange(chunk.lo, chunk.hi, device=device).add_(shift)
+            self.u = None if key is None else lattice.dither(key, coords)
+            self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
         self.base: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        self._pair: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor, scale: torch.Tensor, inverse: torch.Tensor, noise: torch.Tensor | None,
+               bits: int, codes: torch.Tensor, own: torch.Tensor, factor: float, out: torch.Tensor) -> None:
+        """This rank's part of the frame: ``L`` of ``x`` (:meth:`lattice`, keeping :attr:`base`), its codes packed
+        into ``codes`` (:meth:`pack`), every run's fingerprint added to ``own`` (per tensor, T + 1 entries), and
+        ``factor * x̂`` written to ``out`` (one value per position).
+
+        ``scale``/``inverse``: s and 1/s per tensor (:func:`per_run`). On a CPU one fused pass
+        (:func:`mpicomm.codecs.kernels.lattice_frame.encode`), bit for bit the torch ops it replaces.
+        """
+        if not self._fused(x, bits):
+            L = self.lattice(x, scale, noise)
+            own.index_add_(0, self.tensors, self.pack(L, bits, codes))
+            torch.mul(self.value(L, self.spread(inverse)), factor, out=out)
+            return
+        from ..codecs.kernels import lattice_frame
+
+        chunk, n = self.chunk, self.chunk.hi - self.chunk.lo
+        self.base = torch.empty(n, dtype=torch.float32)
+        points = torch.empty(n, dtype=torch.uint8)
+        xi = _EMPTY if noise is None else noise[chunk.lo:chunk.hi].numpy()
+        lattice_frame.encode(x.detach().numpy(), self._u(), xi, self._starts(), self.lengths.numpy(),
+                             self.tensors.numpy(), scale.numpy(), inverse.numpy(), self.hashes.numpy(),
+                             np.float32(factor), self.base.numpy(), points.numpy(), own.numpy(), out.numpy())
+        lattice_frame.pack_codes(points.numpy(), bits, codes[chunk.lo * bits // 8:chunk.hi * bits // 8].numpy())
+
+    def recover_into(self, codes: torch.Tensor, bits: int, inverse: torch.Tensor, weight: float,
+                     fingerprints: torch.Tensor, distance: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Recover a neighbour's frame from its message's code bytes ``codes`` (:meth:`recover`): every run's
+        fingerprint added to ``fingerprints`` (per tensor), ``max |L' - base|`` per tensor into ``distance``
+        (if given), and ``weight * x̂_j`` added to ``out`` (one value per position).
+
+        On a CPU one fused pass
+        (:func:`mpicomm.codecs.kernels.lattice_frame.recover`), bit for bit the torch ops it replaces.
+        """
+        if not self._fused(out, bits):
+            L = self.recover(codes, bits)
+            if self._pair is None:  # int64_pair's scratch, shared by every row
+                self._pair = torch.empty(2 * L.numel(), dtype=torch.int64, device=L.device)
+            fingerprints.index_add_(0, self.tensors, self.fingerprints(L, self._pair))
+            if distance is not None:  # (L - base) / s = x̂_j - x_i: lattice units until divided by s
+                distance.scatter_reduce_(0, self.positions(), torch.sub(L, self.base).abs_(), "amax")
+            out.add_(self.value(L, self.spread(inverse)), alpha=weight)
+            return
+        from ..codecs.kernels import lattice_frame
+
+        lo, hi = self.chunk.lo, self.chunk.hi
+        received = torch.empty(hi - lo, dtype=torch.uint8)
+        lattice_frame.unpack_codes(codes[lo * bits // 8:hi * bits // 8].numpy(), bits, received.numpy())
+        lattice_frame.recover(received.numpy(), self.base.numpy(), self._u(), self.lengths.numpy(),
+                              self.tensors.numpy(), inverse.numpy(), self.hashes.numpy(), np.float32(weight),
+                              np.float32(1 << bits), fingerprints.numpy(),
+                              _EMPTY if distance is None else distance.numpy(), out.numpy())
+
+    def _fused(self, t: torch.Tensor, bits: int) -> bool:
+        """Whether the fused CPU kernels run this frame: a CPU, float32, a whole number of codes per byte."""
+        return bitpack.kernels_enabled(t.device) and t.dtype == torch.float32 and bits in kernels.WIDTHS
+
+    def _u(self) -> np.ndarray:
+        return _EMPTY if self.u is None else self.u.numpy()
+
+    def _starts(self) -> np.ndarray:
+        """Every run's first flat model coordinate, -1 for a gap (int64)."""
+        return np.array([-1 if a is None else a for a in self.chunk.starts], dtype=np.int64)
 
     def positions(self) -> torch.Tensor:
         """The tensor (T for a gap) of every position of the chunk (int64, built on first use)."""
