@@ -16,9 +16,9 @@ time spent descheduled by other processes does not, which keeps the ratios stabl
 
 Targets at 16M elements (issue 14): sign and nearest uniform <= 3x copy, Moniqua <= 3.5x, stochastic
 uniform and QSGD <= 6x, top-k <= 8x, HSQ d=16 <= 12x. Moniqua is timed twice: ``ModuloCodec`` and the
-lattice codec that the Moniqua algorithm uses (``mpicomm.codecs.lattice``: encode = the step's shared
-dither + the packed codes; decode = recovery against the receiver's model + x_hat into ``out``), both
-decoding against the input itself as the model.
+lattice codec as the Moniqua algorithm runs it (``bench/lattice_codec.py``: encode = the step's shared
+dither + the packed codes + fingerprints + x_hat for the mixing; decode = recovery against the receiver's
+model + fingerprints + x_hat into ``out``), both decoding against the input itself as the model.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.lattice_codec import LatticeCodec  # noqa: E402
 from mpicomm.codecs import (  # noqa: E402
     HSQCodec,
     IdentityCodec,
@@ -45,9 +46,8 @@ from mpicomm.codecs import (  # noqa: E402
     TernGradCodec,
     TopKCodec,
     UniformCodec,
-    lattice,
 )
-from mpicomm.codecs._layout import chunk_elems, chunk_ranges  # noqa: E402
+from mpicomm.codecs._layout import chunk_elems  # noqa: E402
 
 NEAREST, MONIQUA, STOCHASTIC, TOPK, HSQ = 3.0, 3.5, 6.0, 8.0, 12.0
 TARGET_SIZE = 16 * 2**20
@@ -70,44 +70,6 @@ class _Moniqua:
         return self.codec.bits_per_element(n)
 
 
-class _Lattice:
-    """Adapter giving Moniqua's lattice codec (shared dither, as the algorithm runs it) encode/decode(out=).
-
-    encode draws the step's dither (once per step in the algorithm, shared by the encode and every decode)
-    and packs the codes chunk by chunk; decode recovers L' against the reference (the input) and writes
-    x_hat = (L' - u)/s into ``out``. The flat coordinates the dither is keyed by are built once (they
-    change only with the parts sent, not with the step).
-    """
-
-    def __init__(self, bits: int, x_ref: dict, theta: float = 0.01):
-        self.bits, self.ref = bits, x_ref
-        self.s = (1 << bits) * (1.0 - 2.0 * lattice.delta(bits, "dither")) / (2.0 * theta)
-        self.u = self.coords = None
-
-    def encode(self, x):
-        n, bits, dev = x.numel(), self.bits, x.device
-        if self.coords is None or self.coords.numel() != n or self.coords.device != dev:
-            self.coords = torch.arange(n, dtype=torch.int64, device=dev)
-        self.u = lattice.dither(lattice.stream_key(0, 1), self.coords)
-        payload = torch.empty(lattice.packed_bytes(n, bits), dtype=torch.uint8, device=dev)
-        for lo, hi in chunk_ranges(n, chunk_elems(dev)):
-            packed, _ = lattice.lattice_encode(x[lo:hi], self.s, bits, self.u[lo:hi])
-            payload[lo * bits // 8:lo * bits // 8 + packed.numel()].copy_(packed)
-        return payload
-
-    def decode(self, payload, n, out=None):
-        out = torch.empty(n, dtype=torch.float32, device=payload.device) if out is None else out
-        bits, ref = self.bits, self.ref["x"]
-        for lo, hi in chunk_ranges(n, chunk_elems(payload.device)):
-            packed = payload[lo * bits // 8:lo * bits // 8 + lattice.packed_bytes(hi - lo, bits)]
-            L = lattice.lattice_decode(packed, ref[lo:hi], self.s, bits, self.u[lo:hi])
-            lattice.lattice_value(L, self.s, self.u[lo:hi], out=out[lo:hi])
-        return out
-
-    def bits_per_element(self, n):
-        return 8.0 * lattice.packed_bytes(n, self.bits) / max(n, 1)
-
-
 def codecs(x_ref: dict) -> list[tuple[str, object, float | None]]:
     """(label, codec, target ratio at 16M or None)."""
     out = [
@@ -128,7 +90,7 @@ def codecs(x_ref: dict) -> list[tuple[str, object, float | None]]:
     ]
     out += [(f"moniqua {b}-bit nearest", _Moniqua(ModuloCodec(b), x_ref), MONIQUA) for b in (1, 2, 4, 8)]
     out += [(f"moniqua {b}-bit stochastic", _Moniqua(ModuloCodec(b, "stochastic"), x_ref), None) for b in (2, 8)]
-    out += [(f"moniqua lattice {b}-bit dither", _Lattice(b, x_ref), MONIQUA) for b in (1, 4)]
+    out += [(f"moniqua lattice {b}-bit dither", LatticeCodec(b), MONIQUA) for b in (1, 4)]
     out.append(("hsq d=16 K=256", HSQCodec([x_ref["x"].numel()], d=16), HSQ))
     return out
 

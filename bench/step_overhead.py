@@ -117,21 +117,15 @@ class Case:
 
 
 def _lattice(bits: int, rounding: str, fraction: int):
-    """Moniqua's lattice codec: encode + decode + value of 1/``fraction`` of the model, in the algorithm's chunks."""
-    from mpicomm.codecs import lattice
-    from mpicomm.codecs._layout import chunk_elems, chunk_ranges
+    """Moniqua's lattice codec as the algorithm runs it (``bench/lattice_codec.py``): encode + decode of
+    1/``fraction`` of the model."""
+    from bench.lattice_codec import LatticeCodec
+
+    codec = LatticeCodec(bits, rounding, theta=0.01)
 
     def run(x: torch.Tensor, ref: torch.Tensor, payload: torch.Tensor) -> None:
-        n, s = x.numel() // fraction, 2.0**bits / 0.02
-        coords = torch.arange(n, dtype=torch.int64)
-        u = lattice.dither(lattice.stream_key(0, 1), coords) if rounding == "dither" else None
-        for lo, hi in chunk_ranges(n, chunk_elems(x.device)):
-            uc = None if u is None else u[lo:hi]
-            packed, _ = lattice.lattice_encode(x[lo:hi], s, bits, uc)
-            at = lo * bits // 8
-            payload[at:at + packed.numel()].copy_(packed)
-            L = lattice.lattice_decode(payload[at:at + packed.numel()], ref[lo:hi], s, bits, uc)
-            lattice.lattice_value(L, s, uc)
+        n = x.numel() // fraction
+        codec.decode(codec.encode(x[:n]), n, out=ref[:n].clone())
     return run
 
 

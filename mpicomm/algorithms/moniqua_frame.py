@@ -42,35 +42,60 @@ def frame_elems(device: torch.device) -> int:
 
 
 class Frame:
-    """One chunk of a step's message on this rank: its runs on the device, dither, hashes and (after
-    :meth:`lattice`) ``t = x s + u``."""
+    """One chunk of a step's message on this rank: its runs on the device, dither and hashes (built on first use)
+    and, after :meth:`lattice`, ``t = x s + u``.
+
+    On a CPU, :meth:`encode` and :meth:`recover_into` run the fused kernels of
+    :mod:`mpicomm.codecs.kernels.lattice_frame`, which recompute u, the hashes and t per position from the
+    model instead of storing them: nothing per position is kept between the encode and the recoveries, and
+    the model must not change in between (it does not: the increment is applied after every recovery).
+    """
 
     def __init__(self, chunk: Chunk, device, key: int | None):
-        self.chunk = chunk
-        n = chunk.hi - chunk.lo
+        self.chunk, self.device, self.key = chunk, torch.device(device), key
         self.lengths = torch.tensor(chunk.lengths, device=device)
         self.tensors = torch.tensor(chunk.tensors, device=device)
         self.ends = torch.tensor(chunk.ends, device=device)
-        if bitpack.kernels_enabled(device):  # one pass, no coordinate tensor
-            from ..codecs.kernels import lattice_frame
-
-            self.u = None if key is None else torch.empty(n, dtype=torch.float32)
-            self.hashes = torch.empty(n, dtype=torch.int32)
-            lattice_frame.coordinates(chunk.lo, self.lengths.numpy(), np.array(chunk.shifts, dtype=np.int64),
-                                      np.uint64(0 if key is None else key % (1 << 64)), self._u(), self.hashes.numpy())
-        else:
-            shift = torch.tensor(chunk.shifts, device=device).repeat_interleave(self.lengths, output_size=n)
-            coords = torch.arange(chunk.lo, chunk.hi, device=device).add_(shift)
-            self.u = None if key is None else lattice.dither(key, coords)
-            self.hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
         self.base: torch.Tensor | None = None
+        self._u: torch.Tensor | None = None
+        self._hashes: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._pair: torch.Tensor | None = None
+        self._encoded: tuple | None = None  # the fused encode's model and scales, for the recoveries
+
+    @property
+    def u(self) -> torch.Tensor | None:
+        """The dither at every position (float32; None without one)."""
+        if self.key is not None and self._u is None:
+            self._coordinates()
+        return self._u
+
+    @property
+    def hashes(self) -> torch.Tensor:
+        """The fingerprint weight H_c of every position (int32, < 2^20)."""
+        if self._hashes is None:
+            self._coordinates()
+        return self._hashes
+
+    def _coordinates(self) -> None:
+        chunk, n, dev = self.chunk, self.chunk.hi - self.chunk.lo, self.device
+        if bitpack.kernels_enabled(dev):  # one pass, no coordinate tensor
+            from ..codecs.kernels import lattice_frame
+
+            self._u = None if self.key is None else torch.empty(n, dtype=torch.float32)
+            self._hashes = torch.empty(n, dtype=torch.int32)
+            lattice_frame.coordinates(chunk.lo, self.lengths.numpy(), self._shifts(), self._key(),
+                                      _EMPTY if self._u is None else self._u.numpy(), self._hashes.numpy())
+            return
+        shift = torch.tensor(chunk.shifts, device=dev).repeat_interleave(self.lengths, output_size=n)
+        coords = torch.arange(chunk.lo, chunk.hi, device=dev).add_(shift)
+        self._u = None if self.key is None else lattice.dither(self.key, coords)
+        self._hashes = lattice.coordinate_hashes(coords).to(torch.int32)  # < 2^20: half the bytes kept per step
 
     def encode(self, x: torch.Tensor, scale: torch.Tensor, inverse: torch.Tensor, noise: torch.Tensor | None,
                bits: int, codes: torch.Tensor, own: torch.Tensor, factor: float, out: torch.Tensor) -> None:
-        """This rank's part of the frame: ``L`` of ``x`` (:meth:`lattice`, keeping :attr:`base`), its codes packed
-        into ``codes`` (:meth:`pack`), every run's fingerprint added to ``own`` (per tensor, T + 1 entries), and
+        """This rank's part of the frame: ``L`` of ``x`` (:meth:`lattice`), its codes packed into ``codes``
+        (:meth:`pack`), every run's fingerprint added to ``own`` (per tensor, T + 1 entries), and
         ``factor * x̂`` written to ``out`` (one value per position).
 
         ``scale``/``inverse``: s and 1/s per tensor (:func:`per_run`). On a CPU one fused pass
@@ -84,24 +109,24 @@ class Frame:
         from ..codecs.kernels import lattice_frame
 
         chunk, n = self.chunk, self.chunk.hi - self.chunk.lo
-        self.base = torch.empty(n, dtype=torch.float32)
         points = torch.empty(n, dtype=torch.uint8)
+        self._encoded = (x.detach().numpy(), self._runs(), scale.numpy())
+        model, runs, s = self._encoded
         xi = _EMPTY if noise is None else noise[chunk.lo:chunk.hi].numpy()
-        lattice_frame.encode(x.detach().numpy(), self._u(), xi, self._starts(), self.lengths.numpy(),
-                             self.tensors.numpy(), scale.numpy(), inverse.numpy(), self.hashes.numpy(),
-                             np.float32(factor), self.base.numpy(), points.numpy(), own.numpy(), out.numpy())
+        lattice_frame.encode(model, xi, *runs, s, inverse.numpy(), np.float32(factor), points.numpy(), own.numpy(),
+                             out.numpy())
         lattice_frame.pack_codes(points.numpy(), bits, codes[chunk.lo * bits // 8:chunk.hi * bits // 8].numpy())
 
     def recover_into(self, codes: torch.Tensor, bits: int, inverse: torch.Tensor, weight: float,
                      fingerprints: torch.Tensor, distance: torch.Tensor | None, out: torch.Tensor) -> None:
-        """Recover a neighbour's frame from its message's code bytes ``codes`` (:meth:`recover`): every run's
-        fingerprint added to ``fingerprints`` (per tensor), ``max |L' - base|`` per tensor into ``distance``
-        (if given), and ``weight * x̂_j`` added to ``out`` (one value per position).
+        """Recover a neighbour's frame from its message's code bytes ``codes`` (:meth:`recover`) after
+        :meth:`encode`: every run's fingerprint added to ``fingerprints`` (per tensor), ``max |L' - t|`` per
+        tensor into ``distance`` (if given), and ``weight * x̂_j`` added to ``out`` (one value per position).
 
-        On a CPU one fused pass
-        (:func:`mpicomm.codecs.kernels.lattice_frame.recover`), bit for bit the torch ops it replaces.
+        On a CPU one fused pass (:func:`mpicomm.codecs.kernels.lattice_frame.recover`) against the model
+        :meth:`encode` read, bit for bit the torch ops it replaces.
         """
-        if not self._fused(out, bits):
+        if self._encoded is None:
             L = self.recover(codes, bits)
             if self._pair is None:  # int64_pair's scratch, shared by every row
                 self._pair = torch.empty(2 * L.numel(), dtype=torch.int64, device=L.device)
@@ -115,21 +140,26 @@ class Frame:
         lo, hi = self.chunk.lo, self.chunk.hi
         received = torch.empty(hi - lo, dtype=torch.uint8)
         lattice_frame.unpack_codes(codes[lo * bits // 8:hi * bits // 8].numpy(), bits, received.numpy())
-        lattice_frame.recover(received.numpy(), self.base.numpy(), self._u(), self.lengths.numpy(),
-                              self.tensors.numpy(), inverse.numpy(), self.hashes.numpy(), np.float32(weight),
+        model, runs, s = self._encoded
+        lattice_frame.recover(received.numpy(), model, *runs, s, inverse.numpy(), np.float32(weight),
                               np.float32(1 << bits), fingerprints.numpy(),
                               _EMPTY if distance is None else distance.numpy(), out.numpy())
 
-    def _fused(self, t: torch.Tensor, bits: int) -> bool:
-        """Whether the fused CPU kernels run this frame: a CPU, float32, a whole number of codes per byte."""
-        return bitpack.kernels_enabled(t.device) and t.dtype == torch.float32 and bits in kernels.WIDTHS
+    def _fused(self, x: torch.Tensor, bits: int) -> bool:
+        """Whether the fused CPU kernels run this frame: a CPU, a float32 model, a whole number of codes per byte."""
+        return bitpack.kernels_enabled(x.device) and x.dtype == torch.float32 and bits in kernels.WIDTHS
 
-    def _u(self) -> np.ndarray:
-        return _EMPTY if self.u is None else self.u.numpy()
+    def _shifts(self) -> np.ndarray:
+        return np.array(self.chunk.shifts, dtype=np.int64)
 
-    def _starts(self) -> np.ndarray:
-        """Every run's first flat model coordinate, -1 for a gap (int64)."""
-        return np.array([-1 if a is None else a for a in self.chunk.starts], dtype=np.int64)
+    def _key(self) -> np.uint64:
+        return np.uint64(0 if self.key is None else self.key % (1 << 64))
+
+    def _runs(self) -> tuple:
+        """The kernels' description of the runs: starts (-1 for a gap), lengths, tensors, shifts, lo, dithered, key."""
+        starts = np.array([-1 if a is None else a for a in self.chunk.starts], dtype=np.int64)
+        return (starts, self.lengths.numpy(), self.tensors.numpy(), self._shifts(), self.chunk.lo,
+                self.key is not None, self._key())
 
     def positions(self) -> torch.Tensor:
         """The tensor (T for a gap) of every position of the chunk (int64, built on first use)."""

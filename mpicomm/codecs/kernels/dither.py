@@ -11,7 +11,7 @@ import numpy as np
 
 from ._jit import inline, kernel
 
-__all__ = ["dither", "dither_run"]
+__all__ = ["dither", "u_at"]
 
 _GOLDEN, _C1, _C2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S40 = np.uint64(30), np.uint64(27), np.uint64(40)
@@ -19,7 +19,8 @@ _UNIT, _HALF = np.float32(2.0**-24), np.float32(0.5)
 
 
 @inline
-def _u(key, c):
+def u_at(key, c):
+    """u at the flat coordinate ``c`` (for other kernels)."""
     z = np.uint64(c) * _GOLDEN + key
     z = (z ^ (z >> _S30)) * _C1
     z = (z ^ (z >> _S27)) * _C2
@@ -30,11 +31,4 @@ def _u(key, c):
 def dither(key, coords, out):
     """Write u at the int64 flat coordinates ``coords`` of the uint64 stream ``key`` into the float32 ``out``."""
     for i in range(coords.size):
-        out[i] = _u(key, coords[i])
-
-
-@inline
-def dither_run(key, first, out):
-    """u at the consecutive coordinates ``first, first + 1, ...`` into ``out`` (for other kernels)."""
-    for i in range(out.size):
-        out[i] = _u(key, first + i)
+        out[i] = u_at(key, coords[i])

@@ -1,26 +1,29 @@
 """One frame of a Moniqua message (:class:`mpicomm.algorithms.moniqua_frame.Frame`) encoded or recovered in
-one pass over its positions.
+one pass over its positions, with nothing stored per position in between.
 
 A frame is a sequence of runs (a tensor's part, or a gap whose x is 0); run r covers ``lengths[r]``
-positions of tensor ``tensors[r]`` starting at flat model coordinate ``starts[r]`` (-1 for a gap), with the
-tensor's scale s and 1/s. Per position, in float32 as the frame's torch path computes it::
+positions of tensor ``tensors[r]``, reading the flat model from coordinate ``starts[r]`` (-1 for a gap),
+and position p of the frame is keyed by flat coordinate ``c = lo + p + shifts[r]``. Per position, in
+float32 as the frame's torch path computes it::
 
-    encode:   t = x s (+ u)                 -> base (kept for the recoveries)
-              L = rint(t)   (stochastic: floor(t + xi))
-              code = int(L) mod 2^b         -> codes (packed by :func:`pack_codes`)
+    u = dither(key, c) (0 without one),   H = coordinate hash of c
+    t = x s + u                           (recomputed by the recovery from the reader's own x: same bits)
+    encode:   L = rint(t)   (stochastic: floor(t + xi))
+              code = int(L) mod 2^b         -> ``codes`` (one byte each; :func:`pack_codes` packs them)
               F[tensor] += H (int(L) mod 2^20)          (int64: any order gives the same sum)
               out = ((L - u) / s) * factor              (factor = -sum_j W_ij: the increment's start)
-    recover:  L' = rint((base - k) * 2^-b) * 2^b + k    (k the received code, unpacked by :func:`unpack_codes`)
-              F[tensor] += H (int(L') mod 2^20);  D[tensor] = max(D, |L' - base|) (theta="observed")
+    recover:  L' = rint((t - k) * 2^-b) * 2^b + k      (k the received code, unpacked by :func:`unpack_codes`)
+              F[tensor] += H (int(L') mod 2^20);  D[tensor] = max(D, |L' - t|) (theta="observed")
               out = fma((L' - u) / s, w, out)          (torch's ``add_(v, alpha=w)`` rounds once)
 """
+
 
 from __future__ import annotations
 
 import numpy as np
 
 from ._jit import fma32, inline, kernel
-from .dither import dither_run as dither
+from .dither import u_at as _u
 
 __all__ = ["coordinates", "encode", "pack_codes", "recover", "unpack_codes"]
 
@@ -29,79 +32,124 @@ _LCG_A, _LCG_C = np.int64(1103515245), np.int64(12345)
 
 
 @inline
-def _encode_runs(x, u, noise, starts, lengths, tensors, scale, inverse, hashes, factor, base, codes, fingerprints,
+def _hash(c):
+    return np.int32(((((c & _LOW31) * _LCG_A + _LCG_C) & _LOW31) >> 11) | 1)
+
+
+@inline
+def _encode_span(x, noise, at, s, inv, key, factor, codes, out, dithered, stochastic, gap):
+    """One run: ``x`` its model values (unused for a gap), ``noise``/``codes``/``out`` its positions'; returns
+    the run's fingerprint."""
+    fp = np.int64(0)
+    for i in range(out.size):
+        c = np.int64(at + i)
+        t = np.float32(0.0) * s if gap else x[i] * s
+        if dithered:
+            u = _u(key, c)
+            t = t + u
+        if stochastic:
+            L = np.float32(np.floor(t + noise[i]))
+        else:
+            L = np.float32(np.rint(t))
+        points = np.int64(L)
+        codes[i] = np.uint8(points & 255)
+        fp += (points & _LOW20) * np.int64(_hash(c))
+        if dithered:
+            L = L - u
+        out[i] = (L * inv) * factor
+    return fp
+
+
+@inline
+def _encode_runs(x, noise, starts, lengths, tensors, shifts, lo, key, scale, inverse, factor, codes, fingerprints,
                  out, dithered, stochastic):
     p = 0
     for r in range(lengths.size):
-        k, first, n = tensors[r], starts[r], lengths[r]
-        s, inv, fp = scale[k], inverse[k], np.int64(0)
-        for i in range(n):
-            t = x[first + i] * s if first >= 0 else np.float32(0.0) * s
-            if dithered:
-                t = t + u[p + i]
-            base[p + i] = t
-            L = np.float32(np.floor(t + noise[p + i])) if stochastic else np.float32(np.rint(t))
-            points = np.int64(L)
-            codes[p + i] = np.uint8(points & 255)
-            fp += (points & _LOW20) * np.int64(hashes[p + i])
-            v = L - u[p + i] if dithered else L
-            out[p + i] = (v * inv) * factor
-        fingerprints[k] += fp
-        p += n
+        k, first, q = tensors[r], starts[r], p + lengths[r]
+        xi, at = noise[p:q] if stochastic else noise, lo + p + shifts[r]
+        if first >= 0:
+            fingerprints[k] += _encode_span(x[first:first + q - p], xi, at, scale[k], inverse[k], key, factor,
+                                            codes[p:q], out[p:q], dithered, stochastic, False)
+        else:
+            fingerprints[k] += _encode_span(x, xi, at, scale[k], inverse[k], key, factor, codes[p:q], out[p:q],
+                                            dithered, stochastic, True)
+        p = q
 
 
 @kernel
-def encode(x, u, noise, starts, lengths, tensors, scale, inverse, hashes, factor, base, codes, fingerprints, out):
-    """Encode one frame (see the module docstring); ``u`` (dither) and ``noise`` (stochastic rounding's xi) are
-    empty when not used; ``codes`` receives one unpacked code byte per position (low bits: L mod 256)."""
-    if u.size:
-        _encode_runs(x, u, noise, starts, lengths, tensors, scale, inverse, hashes, factor, base, codes,
+def encode(x, noise, starts, lengths, tensors, shifts, lo, dithered, key, scale, inverse, factor, codes,
+           fingerprints, out):
+    """Encode one frame (see the module docstring): ``key`` the dither's stream if ``dithered``, ``noise``
+    stochastic rounding's xi at every position (empty when not used); ``codes`` receives one unpacked code
+    byte per position (low bits: L mod 256), ``fingerprints`` (per tensor) the runs' sums, ``out`` the
+    increment's start."""
+    if dithered:
+        _encode_runs(x, noise, starts, lengths, tensors, shifts, lo, key, scale, inverse, factor, codes,
                      fingerprints, out, True, False)
     elif noise.size:
-        _encode_runs(x, u, noise, starts, lengths, tensors, scale, inverse, hashes, factor, base, codes,
+        _encode_runs(x, noise, starts, lengths, tensors, shifts, lo, key, scale, inverse, factor, codes,
                      fingerprints, out, False, True)
     else:
-        _encode_runs(x, u, noise, starts, lengths, tensors, scale, inverse, hashes, factor, base, codes,
+        _encode_runs(x, noise, starts, lengths, tensors, shifts, lo, key, scale, inverse, factor, codes,
                      fingerprints, out, False, False)
 
 
 @inline
-def _recover_runs(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance, out,
-                  dithered, observed):
-    p, step = 0, np.float32(1.0) / levels
+def _recover_span(codes, x, at, s, inv, key, weight, levels, out, dithered, observed, gap):
+    """One run (as :func:`_encode_span`); returns its fingerprint and ``max |L' - t|``."""
+    fp, far, step = np.int64(0), np.float32(0.0), np.float32(1.0) / levels
+    for i in range(out.size):
+        c = np.int64(at + i)
+        t = np.float32(0.0) * s if gap else x[i] * s
+        if dithered:
+            u = _u(key, c)
+            t = t + u
+        code = np.float32(codes[i])
+        L = np.float32(np.rint((t - code) * step)) * levels + code
+        fp += (np.int64(L) & _LOW20) * np.int64(_hash(c))
+        if observed:
+            far = max(far, abs(L - t))
+        if dithered:
+            L = L - u
+        out[i] = fma32(L * inv, weight, out[i])
+    return fp, far
+
+
+@inline
+def _recover_runs(codes, x, starts, lengths, tensors, shifts, lo, key, scale, inverse, weight, levels,
+                  fingerprints, distance, out, dithered, observed):
+    p = 0
     for r in range(lengths.size):
-        k, n = tensors[r], lengths[r]
-        inv, fp, far = inverse[k], np.int64(0), np.float32(0.0)
-        for i in range(n):
-            code = np.float32(codes[p + i])
-            L = np.float32(np.rint((base[p + i] - code) * step)) * levels + code
-            fp += (np.int64(L) & _LOW20) * np.int64(hashes[p + i])
-            if observed:
-                far = max(far, abs(L - base[p + i]))
-            v = L - u[p + i] if dithered else L
-            out[p + i] = fma32(v * inv, weight, out[p + i])
+        k, first, q, at = tensors[r], starts[r], p + lengths[r], lo + p + shifts[r]
+        if first >= 0:
+            fp, far = _recover_span(codes[p:q], x[first:first + q - p], at, scale[k], inverse[k], key, weight,
+                                    levels, out[p:q], dithered, observed, False)
+        else:
+            fp, far = _recover_span(codes[p:q], x, at, scale[k], inverse[k], key, weight, levels, out[p:q],
+                                    dithered, observed, True)
         fingerprints[k] += fp
         if observed:
             distance[k] = max(distance[k], far)
-        p += n
+        p = q
 
 
 @kernel
-def recover(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance, out):
-    """Recover one neighbour's frame (see the module docstring) from its unpacked ``codes``; ``distance`` is
-    empty unless theta is observed, ``u`` empty without the dither."""
-    if u.size and distance.size:
-        _recover_runs(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance,
-                      out, True, True)
-    elif u.size:
-        _recover_runs(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance,
-                      out, True, False)
+def recover(codes, x, starts, lengths, tensors, shifts, lo, dithered, key, scale, inverse, weight, levels,
+            fingerprints, distance, out):
+    """Recover one neighbour's frame (see the module docstring) from its unpacked ``codes`` against this rank's
+    model ``x`` (the one it encoded from); ``distance`` is empty unless theta is observed."""
+    if dithered and distance.size:
+        _recover_runs(codes, x, starts, lengths, tensors, shifts, lo, key, scale, inverse, weight, levels,
+                      fingerprints, distance, out, True, True)
+    elif dithered:
+        _recover_runs(codes, x, starts, lengths, tensors, shifts, lo, key, scale, inverse, weight, levels,
+                      fingerprints, distance, out, True, False)
     elif distance.size:
-        _recover_runs(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance,
-                      out, False, True)
+        _recover_runs(codes, x, starts, lengths, tensors, shifts, lo, key, scale, inverse, weight, levels,
+                      fingerprints, distance, out, False, True)
     else:
-        _recover_runs(codes, base, u, lengths, tensors, inverse, hashes, weight, levels, fingerprints, distance,
-                      out, False, False)
+        _recover_runs(codes, x, starts, lengths, tensors, shifts, lo, key, scale, inverse, weight, levels,
+                      fingerprints, distance, out, False, False)
 
 
 @inline
@@ -160,16 +208,14 @@ def unpack_codes(packed, bits, out):
 
 @kernel
 def coordinates(lo, lengths, shifts, key, u, hashes):
-    """The frame's per-position dither ``u`` (if ``u`` is not empty; stream ``key``, :mod:`.dither`) and
-    fingerprint weights ``hashes`` (int32, :func:`mpicomm.codecs.lattice.coordinate_hashes`) at flat
-    coordinate ``position + shifts[r]`` of every position of run r, positions counted from ``lo``."""
+    """The frame's per-position dither ``u`` (if ``u`` is not empty) and fingerprint weights ``hashes`` (int32,
+    :func:`mpicomm.codecs.lattice.coordinate_hashes`), for the frame's torch path."""
     p = 0
     for r in range(lengths.size):
-        first = lo + p + shifts[r]
+        at = lo + shifts[r]
         for i in range(lengths[r]):
-            c = np.int64(first + i)
-            h = (((c & _LOW31) * _LCG_A + _LCG_C) & _LOW31) >> 11
-            hashes[p + i] = np.int32(h | 1)
-        if u.size:
-            dither(key, first, u[p:p + lengths[r]])
+            c = np.int64(at + p + i)
+            hashes[p + i] = _hash(c)
+            if u.size:
+                u[p + i] = _u(key, c)
         p += lengths[r]

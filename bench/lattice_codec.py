@@ -1,0 +1,62 @@
+"""Moniqua's lattice codec exactly as the algorithm runs it, for the codec benchmarks.
+
+The tensor is one run cut into the algorithm's frames (:func:`~mpicomm.algorithms.moniqua_frame.frame_elems`
+positions each). ``encode`` builds every frame (the step's shared dither and fingerprint weights), then
+encodes it (:meth:`Frame.encode`: t = x s + u, the codes, the fingerprints and -x̂ for the mixing
+increment); ``decode`` zeroes ``out`` and recovers the payload into it (:meth:`Frame.recover_into`: L'
+against the encoder's t, so against the input itself as the receiver's model, the fingerprints, + x̂). On
+a CPU both are the fused kernels; with ``bitpack.use_backend("numpy")`` the torch path they replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpicomm.algorithms.moniqua_frame import Frame, frame_elems, per_run
+from mpicomm.algorithms.moniqua_parts import Chunk
+from mpicomm.codecs import lattice
+from mpicomm.codecs._layout import chunk_ranges
+
+__all__ = ["LatticeCodec"]
+
+
+class LatticeCodec:
+    """``bits``-bit lattice codec with ``rounding`` "dither" or "nearest" at theta ``theta`` (one tensor)."""
+
+    def __init__(self, bits: int, rounding: str = "dither", theta: float = 0.01):
+        self.bits, self.dithered = bits, rounding == "dither"
+        s = (1 << bits) * (1.0 - 2.0 * lattice.delta(bits, rounding)) / (2.0 * theta)
+        self.scale, self.inverse = torch.tensor([s]), torch.tensor([1.0 / s])
+        self.frames: list[Frame] = []
+        self.mixing: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed codes of ``x`` (keeps the frames for :meth:`decode`)."""
+        n, dev, bits = x.numel(), x.device, self.bits
+        key = lattice.stream_key(0, 1) if self.dithered else None
+        scale, inverse = per_run(self.scale, dev), per_run(self.inverse, dev)
+        payload = torch.empty(lattice.packed_bytes(n, bits), dtype=torch.uint8, device=dev)
+        own = torch.zeros(2, dtype=torch.int64, device=dev)
+        if self.mixing is None or self.mixing.numel() != n or self.mixing.device != dev:
+            self.mixing = torch.empty(n, dtype=torch.float32, device=dev)  # the algorithm's increment, kept
+        mixing = self.mixing
+        self.frames = []
+        for lo, hi in chunk_ranges(n, frame_elems(dev)):
+            frame = Frame(Chunk(lo, hi, (hi - lo,), (0,), (lo,), (0,), (hi - lo - 1,)), dev, key)
+            frame.encode(x, scale, inverse, None, bits, payload, own, -1.0, mixing[lo:hi])
+            self.frames.append(frame)
+        return payload
+
+    def decode(self, payload: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x̂ of the last encoded tensor from ``payload``, into ``out``."""
+        dev = payload.device
+        out = torch.empty(n, dtype=torch.float32, device=dev) if out is None else out.zero_()
+        fingerprints = torch.zeros(2, dtype=torch.int64, device=dev)
+        inverse = per_run(self.inverse, dev)
+        for frame in self.frames:
+            frame.recover_into(payload, self.bits, inverse, 1.0, fingerprints, None, out[frame.chunk.lo:frame.chunk.hi])
+        return out
+
+    def bits_per_element(self, n: int) -> float:
+        """Bits on the wire per element."""
+        return 8.0 * lattice.packed_bytes(n, self.bits) / max(n, 1)
