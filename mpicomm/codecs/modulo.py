@@ -32,15 +32,18 @@ from __future__ import annotations
 import math
 from numbers import Real
 
+import numpy as np
 import torch
 
-from . import bitpack
+from . import bitpack, kernels
 from ._layout import check_numel, chunk_elems, chunk_ranges, f32_chunk, prepare_out, store_codes
 from ._rng import SeededGenerator
 from .base import check_flat_float, check_payload
 from .uniform import ROUNDINGS
 
 __all__ = ["ModuloCodec", "cmod"]
+
+_EMPTY16 = np.empty(0, dtype=np.int16)  # no draws: nearest rounding, for the kernel
 
 
 def cmod(a, B):
@@ -102,9 +105,17 @@ class ModuloCodec:
         t = torch.empty(min(step, n), dtype=torch.float32, device=dev)
         f = torch.empty_like(t)
         codes = torch.empty(t.numel(), dtype=torch.uint8, device=dev)
+        kernel = bitpack.kernels_enabled(dev) and bits in kernels.WIDTHS
         for start, stop in chunk_ranges(n, step):
             m = stop - start
             tc, fc, cc = t[:m], f[:m], codes[:m]
+            out = payload[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
+            if kernel:
+                from .kernels import modulo
+
+                draws = _EMPTY16 if self._rng is None else self._rng.draw16(m, dev).numpy()
+                modulo.encode(f32_chunk(x[start:stop], tc).numpy(), draws, np.float32(levels / B), bits, out.numpy())
+                continue
             torch.mul(f32_chunk(x[start:stop], tc), levels / B, out=tc)  # t = x*2^b/B + 2^(b-1) [+ u]
             tc.add_(levels / 2)
             if self._rng is not None:
@@ -113,7 +124,6 @@ class ModuloCodec:
             torch.mul(tc, 1.0 / levels, out=fc).floor_()
             tc.sub_(fc, alpha=levels)  # k = floor(t) mod 2^b, exact on integer-valued floats
             store_codes(cc, tc, bits)
-            out = payload[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
             bitpack.pack(cc, bits, out=out, check=False)
         return payload
 
@@ -135,6 +145,12 @@ class ModuloCodec:
         reference = reference.detach()
         levels = float(1 << bits)
         centre = 0.5 if self.rounding == "nearest" else 0.0
+        if bitpack.kernels_enabled(dev) and bits in kernels.WIDTHS and reference.dtype == torch.float32:
+            from .kernels import modulo
+
+            modulo.decode(payload.numpy(), reference.numpy(), np.float32(1.0 / B), np.float32(B), np.float32(centre),
+                          bits, out.numpy())
+            return out
         step = chunk_elems(dev)
         t = torch.empty(min(step, n), dtype=torch.float32, device=dev)
         f = torch.empty_like(t)
