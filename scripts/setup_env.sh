@@ -21,3 +21,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   } > .venv/install.log 2>&1 || { tail -40 .venv/install.log; echo "set-up failed; see .venv/install.log"; exit 1; }
   echo "$want" > "$stamp"
 fi
+# Compile the codecs' numba kernels into their on-disk cache now (once; ~20 s) rather than in a first step.
+.venv/bin/python - <<'PY'
+from mpicomm.algorithms.kernel_warmup import compile_all, kernels_cached
+if not kernels_cached():
+    print("compiling mpicomm's codec kernels (numba; once, cached for later runs) …", flush=True)
+    print(f"compiled in {compile_all():.1f} s", flush=True)
+PY

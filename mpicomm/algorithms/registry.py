@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..comm import raise_together
 from .base import Algorithm
+from .kernel_warmup import prepare_kernels
 
 __all__ = ["ALGORITHMS", "make_algorithm", "register"]
 
@@ -43,6 +46,7 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
     except (ValueError, TypeError) as exc:
         error = exc
     raise_together(comm.comm, error)
+    prepare_kernels(comm.comm, next(model.parameters(), torch.empty(0)).device)
     algo = cls(model, comm, config)
     if optimizer is not None:
         algo.use_optimizer(optimizer)
