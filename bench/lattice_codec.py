@@ -33,30 +33,37 @@ class LatticeCodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The packed codes of ``x`` (keeps the frames for :meth:`decode`)."""
         n, dev, bits = x.numel(), x.device, self.bits
+        positions = -(-n // 8) * 8  # the algorithm's messages hold whole bytes: a gap pads the last frame
         key = lattice.stream_key(0, 1) if self.dithered else None
         scale, inverse = per_run(self.scale, dev), per_run(self.inverse, dev)
-        payload = torch.empty(lattice.packed_bytes(n, bits), dtype=torch.uint8, device=dev)
+        payload = torch.empty(lattice.packed_bytes(positions, bits), dtype=torch.uint8, device=dev)
         own = torch.zeros(2, dtype=torch.int64, device=dev)
-        if self.mixing is None or self.mixing.numel() != n or self.mixing.device != dev:
-            self.mixing = torch.empty(n, dtype=torch.float32, device=dev)  # the algorithm's increment, kept
-        mixing = self.mixing
+        if self.mixing is None or self.mixing.numel() != positions or self.mixing.device != dev:
+            self.mixing = torch.empty(positions, dtype=torch.float32, device=dev)  # the algorithm's increment, kept
         self.frames = []
-        for lo, hi in chunk_ranges(n, frame_elems(dev)):
-            frame = Frame(Chunk(lo, hi, (hi - lo,), (0,), (lo,), (0,), (hi - lo - 1,)), dev, key)
-            frame.encode(x, scale, inverse, None, bits, payload, own, -1.0, mixing[lo:hi])
+        for lo, hi in chunk_ranges(positions, frame_elems(dev)):
+            runs = [(m, 0, lo, 0) for m in [min(hi, n) - lo] if m > 0] + [(hi - max(lo, n), 1, None, 0)] * (hi > n)
+            lengths, tensors, starts, shifts = zip(*runs)
+            ends = tuple(sum(lengths[:r + 1]) - 1 for r in range(len(runs)))
+            frame = Frame(Chunk(lo, hi, lengths, tensors, starts, shifts, ends), dev, key)
+            frame.encode(x, scale, inverse, None, bits, payload, own, -1.0, self.mixing[lo:hi])
             self.frames.append(frame)
         return payload
 
     def decode(self, payload: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """x̂ of the last encoded tensor from ``payload``, into ``out``."""
         dev = payload.device
-        out = torch.empty(n, dtype=torch.float32, device=dev) if out is None else out.zero_()
+        out = torch.empty(n, dtype=torch.float32, device=dev) if out is None else out
         fingerprints = torch.zeros(2, dtype=torch.int64, device=dev)
         inverse = per_run(self.inverse, dev)
         for frame in self.frames:
-            frame.recover_into(payload, self.bits, inverse, 1.0, fingerprints, None, out[frame.chunk.lo:frame.chunk.hi])
+            lo, hi = frame.chunk.lo, frame.chunk.hi
+            into = out[lo:hi].zero_() if hi <= n else torch.zeros(hi - lo, device=dev)  # the padded last frame
+            frame.recover_into(payload, self.bits, inverse, 1.0, fingerprints, None, into)
+            if hi > n:
+                out[lo:].copy_(into[:n - lo])
         return out
 
     def bits_per_element(self, n: int) -> float:
         """Bits on the wire per element."""
-        return 8.0 * lattice.packed_bytes(n, self.bits) / max(n, 1)
+        return 8.0 * lattice.packed_bytes(-(-n // 8) * 8, self.bits) / max(n, 1)

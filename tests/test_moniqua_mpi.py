@@ -352,8 +352,8 @@ def test_fused_kernels_change_no_bit(comm, options):
                                       lr=0.1, momentum=0.9, broadcast_init=False, **options)
                 train(algo, 5)
             runs.append(algo)
-        if options.get("theta") == 0.002:
-            assert runs[0].stats()["wrapped_parts"] > 0
+        if options.get("theta") == 0.002 and comm.Get_size() > 1:
+            assert runs[0].stats()["wrapped_parts"] > 0  # one rank alone has no neighbour to wrap against
         for other in runs[1:]:
             assert torch.equal(runs[0].flat.data, other.flat.data)
             assert torch.equal(runs[0].gossip.rule.theta(), other.gossip.rule.theta())

@@ -77,13 +77,17 @@ def compile_all() -> float:
 
 def prepare_kernels(comm, device: torch.device) -> None:
     """Collective over the mpi4py communicator ``comm``: rank 0 compiles the kernels if the cache lacks them
-    (one line on stderr), the others wait (sleeping, not spinning). Nothing for a model that is not on a CPU."""
+    (one line on stderr) while the others wait, sleeping rather than spinning on the cores it compiles on.
+    With the cache present this is one broadcast of rank 0's answer. Nothing for a model not on a CPU."""
     if torch.device(device).type != "cpu":
         return
-    if comm.Get_rank() == 0 and not kernels_cached():
+    rank = comm.Get_rank()
+    if not comm.bcast(not kernels_cached() if rank == 0 else None, root=0):
+        return
+    if rank == 0:
         print("mpicomm: compiling the codec kernels once (numba, about 20 s; cached for later runs) …",
               file=sys.stderr, flush=True)
         print(f"mpicomm: codec kernels compiled in {compile_all():.1f} s", file=sys.stderr, flush=True)
-    waiting = comm.Ibarrier()  # the others sleep rather than spin on the cores rank 0 compiles on
+    waiting = comm.Ibarrier()
     while not waiting.Test():
         time.sleep(0.05)
