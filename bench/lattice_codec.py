@@ -1,21 +1,22 @@
 """Moniqua's lattice codec exactly as the algorithm runs it, for the codec benchmarks.
 
-The tensor is one run cut into the algorithm's frames (:func:`~mpicomm.algorithms.moniqua_frame.frame_elems`
-positions each). ``encode`` builds every frame (the step's shared dither and fingerprint weights), then
-encodes it (:meth:`Frame.encode`: t = x s + u, the codes, the fingerprints and -x̂ for the mixing
-increment); ``decode`` zeroes ``out`` and recovers the payload into it (:meth:`Frame.recover_into`: L'
-against the encoder's t, so against the input itself as the receiver's model, the fingerprints, + x̂). On
-a CPU both are the fused kernels; with ``bitpack.use_backend("numpy")`` the torch path they replaced.
+The tensor is one run cut into frames of the synchronous algorithm's size (``ModuloGossip.chunk``:
+:func:`~mpicomm.codecs._layout.chunk_elems` positions), the last padded to whole bytes by a gap as the
+algorithm's messages are. ``encode`` builds every frame and encodes it (:meth:`Frame.encode`: the step's
+shared dither, t = x s + u, the codes, the fingerprints and -x̂ for the mixing increment); ``decode``
+zeroes ``out`` and recovers the payload into it (:meth:`Frame.recover_into`: L' against the encoder's t,
+so against the input itself as the receiver's model, the fingerprints, + x̂). On a CPU both are the fused
+kernels; with ``bitpack.use_backend("numpy")`` the torch path they replaced.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mpicomm.algorithms.moniqua_frame import Frame, frame_elems, per_run
+from mpicomm.algorithms.moniqua_frame import Frame, per_run
 from mpicomm.algorithms.moniqua_parts import Chunk
 from mpicomm.codecs import lattice
-from mpicomm.codecs._layout import chunk_ranges
+from mpicomm.codecs._layout import chunk_elems, chunk_ranges
 
 __all__ = ["LatticeCodec"]
 
@@ -41,7 +42,7 @@ class LatticeCodec:
         if self.mixing is None or self.mixing.numel() != positions or self.mixing.device != dev:
             self.mixing = torch.empty(positions, dtype=torch.float32, device=dev)  # the algorithm's increment, kept
         self.frames = []
-        for lo, hi in chunk_ranges(positions, frame_elems(dev)):
+        for lo, hi in chunk_ranges(positions, chunk_elems(dev)):
             runs = [(m, 0, lo, 0) for m in [min(hi, n) - lo] if m > 0] + [(hi - max(lo, n), 1, None, 0)] * (hi > n)
             lengths, tensors, starts, shifts = zip(*runs)
             ends = tuple(sum(lengths[:r + 1]) - 1 for r in range(len(runs)))
