@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpicomm.algorithms import kernel_warmup
-from mpicomm.codecs import ModuloCodec, QSGDCodec, TernGradCodec, UniformCodec
+from mpicomm.codecs import HSQCodec, ModuloCodec, QSGDCodec, TernGradCodec, UniformCodec
 
 
 def signatures() -> dict:
@@ -24,6 +24,8 @@ def test_warm_up_covers_every_kernel_and_the_signatures_runs_use():
         codec.decode(codec.encode(x), x.numel(), out=torch.empty_like(x))
     for codec in (ModuloCodec(1), ModuloCodec(4, "stochastic")):
         codec.decode(codec.encode(x, 0.5), x, 0.5, out=x.clone())
+    codec = HSQCodec([3000, 97_003], d=16)
+    codec.decode(codec.encode(x), x.numel(), out=torch.empty_like(x))
     kernel_warmup._frames()
     assert signatures() == after_warm_up  # nothing new to compile
 

@@ -24,9 +24,10 @@ __all__ = ["compile_all", "kernels_cached", "prepare_kernels"]
 
 
 def _dispatchers() -> list:
-    from ..codecs.kernels import dither, lattice_frame, modulo, qsgd, uniform
+    from ..codecs.kernels import dither, hsq, lattice_frame, modulo, qsgd, uniform
 
-    return [uniform.encode_nearest, uniform.encode_stochastic, uniform.decode, qsgd.bucket_scales, qsgd.encode,
+    return [uniform.encode_nearest, uniform.encode_stochastic, uniform.encode_stochastic_segments, uniform.decode,
+            hsq.decode_layers, qsgd.bucket_scales, qsgd.encode,
             qsgd.encode_with_uniforms, qsgd.decode, modulo.encode, modulo.decode, dither.dither,
             lattice_frame.encode, lattice_frame.recover, lattice_frame.pack_codes, lattice_frame.unpack_codes,
             lattice_frame.coordinates]
@@ -60,7 +61,7 @@ def _frames() -> None:
 
 def compile_all() -> float:
     """Compile (or load from the cache) every kernel by running the codecs on tiny CPU tensors; seconds taken."""
-    from ..codecs import ModuloCodec, QSGDCodec, UniformCodec, lattice
+    from ..codecs import HSQCodec, ModuloCodec, QSGDCodec, UniformCodec, lattice
 
     start = time.perf_counter()
     x = torch.randn(40)
@@ -70,6 +71,8 @@ def compile_all() -> float:
         QSGDCodec(4).encode(x, uniforms=torch.rand(40))
         for codec in (ModuloCodec(2), ModuloCodec(2, "stochastic")):
             codec.decode(codec.encode(x, 1.0), x, 1.0)
+        for codec in (HSQCodec([32, 8], d=8, min_compress=0), HSQCodec([32], d=8, K=512, min_compress=0)):
+            codec.decode(codec.encode(x[:codec.numel]), codec.numel)
         lattice.dither(lattice.stream_key(0, 1), torch.arange(8))
         _frames()
     return time.perf_counter() - start

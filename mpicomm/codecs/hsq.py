@@ -348,13 +348,18 @@ class HSQCodec(Codec):
         raw = self._raw_index(x.device)
         if raw is not None:  # every raw layer's float32 bytes in one scatter
             payload.index_copy_(0, raw[0], x.index_select(0, raw[1]).float().view(torch.uint8))
+        norms, counts, at = [], [], []
         for offset, size, n, pos in self._plan:
             if n == 0:
                 continue
             idx, u = self._select(self._chunks(x, offset, size, n))
             nb = self._norms.payload_bytes(n)
-            payload[pos : pos + nb].copy_(self._norms.encode(u))
             self._pack_indices(idx, payload[pos + nb : pos + self._layer_bytes(size, n)])
+            norms.append(u)
+            counts.append(n)
+            at.append(pos)
+        if norms:  # every layer's norms in one call: the generator draws layer by layer, as one call per layer
+            self._norms.encode_segments(torch.cat(norms), counts, payload, at)
         return payload
 
     # ------------------------------------------------------------------ decode
@@ -374,6 +379,12 @@ class HSQCodec(Codec):
         raw = self._raw_index(dev)
         if raw is not None:  # every raw layer's float32 values in one gather
             out.index_copy_(0, raw[1], payload.index_select(0, raw[0]).view(torch.float32))
+        if bitpack.kernels_enabled(dev):
+            from .kernels import hsq as khsq
+
+            khsq.decode_layers(payload.numpy(), *self._compressed_layers(), self.n_bit, self.bits, cb.numpy(),
+                               out.numpy())
+            return out
         norms = self._decode_norms(payload)
         at = 0
         for offset, size, n, pos in self._plan:
@@ -390,6 +401,13 @@ class HSQCodec(Codec):
                 dst[full * self.d :].copy_(cb[idx[full]].mul(u[full])[: size - full * self.d])
             at += n
         return out
+
+    def _compressed_layers(self) -> tuple[np.ndarray, ...]:
+        """The compressed layers' flat offsets, sizes, chunk counts and payload offsets (int64), for the decode
+        kernel."""
+        plan = [(offset, size, n, pos) for offset, size, n, pos in self._plan if n]
+        return tuple(np.array(column, dtype=np.int64).reshape(-1) for column in zip(*plan)) if plan else \
+            tuple(np.empty(0, dtype=np.int64) for _ in range(4))
 
     def _decode_norms(self, payload: torch.Tensor) -> torch.Tensor:
         """Every compressed layer's quantized norms, concatenated: ``lo + k (hi - lo) / levels`` per layer.

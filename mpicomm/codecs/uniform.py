@@ -125,6 +125,41 @@ class UniformCodec(Codec):
             bitpack.pack(cc, bits, out=out, check=False)
         return payload
 
+    def encode_segments(self, x: torch.Tensor, counts: list[int], payload: torch.Tensor, at: list[int]) -> None:
+        """Encode each of the consecutive pieces of ``counts`` elements of the float32 CPU tensor ``x`` into
+        ``payload`` from byte ``at[i]`` (``payload_bytes(counts[i])`` bytes each): bit for bit ``encode`` of
+        every piece in turn, the generator drawn piece by piece as those calls draw it, in one kernel call.
+
+        For stochastic rounding with a per-tensor range, pieces of at most one chunk, on the ``kernels``
+        backend (HSQ's per-layer norms, any width); anything else, or a piece holding a NaN, encodes piece by
+        piece.
+        """
+        starts = np.cumsum([0, *counts])
+        fused = (bitpack.kernels_enabled(x.device) and self._rng is not None and self._header
+                 and x.dtype == torch.float32 and all(counts)
+                 and max(counts, default=0) <= chunk_elems(x.device))
+        if fused:
+            values, first = x.numpy(), starts[:-1]
+            bounds = np.stack([np.minimum.reduceat(values, first), np.maximum.reduceat(values, first)], axis=1)
+            fused = not np.isnan(bounds).any()  # a NaN header carries the input NaN's bits: torch's aminmax keeps them
+        if not fused:
+            for a, b, pos in zip(starts[:-1], starts[1:], at):
+                payload[pos:pos + self.payload_bytes(int(b - a))].copy_(self.encode(x[a:b]))
+            return
+        from .kernels import uniform as kuniform
+
+        raw = payload.numpy()
+        for head, pos in zip(bounds, at):  # the [lo, hi] headers, float32 at byte offsets
+            raw[pos:pos + 8] = head.view(np.uint8)
+        lo, hi = bounds[:, 0].astype(np.float64), bounds[:, 1].astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(hi > lo, self.levels / (hi - lo), 0.0).astype(np.float32)  # as in encode: float64
+        draws = np.empty(int(starts[-1]), dtype=np.int16)
+        for a, b in zip(starts[:-1], starts[1:]):  # each draw16 reuses one scratch buffer: copy it out at once
+            draws[a:b] = self._rng.draw16(int(b - a), x.device).numpy()
+        kuniform.encode_stochastic_segments(values, draws, starts, bounds[:, 0].copy(), scale, np.float32(self.levels),
+                                            self.bits, np.asarray(at, dtype=np.int64) + 8, raw)
+
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lo + k*step`` for every packed index ``k``."""
         check_payload(payload, self.payload_bytes(numel), "UniformCodec.decode")
