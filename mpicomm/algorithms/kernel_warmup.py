@@ -27,7 +27,7 @@ def _dispatchers() -> list:
     from ..codecs.kernels import dither, hsq, lattice_frame, modulo, qsgd, uniform
 
     return [uniform.encode_nearest, uniform.encode_stochastic, uniform.encode_stochastic_segments, uniform.decode,
-            hsq.decode_layers, qsgd.bucket_scales, qsgd.encode,
+            hsq.argmax_magnitude, hsq.decode_layers, qsgd.bucket_scales, qsgd.encode,
             qsgd.encode_with_uniforms, qsgd.decode, modulo.encode, modulo.decode, dither.dither,
             lattice_frame.encode, lattice_frame.recover, lattice_frame.pack_codes, lattice_frame.unpack_codes,
             lattice_frame.coordinates]

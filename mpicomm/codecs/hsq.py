@@ -185,6 +185,14 @@ def greedy_select(chunks: torch.Tensor, cb: torch.Tensor,
     magnitudes. Reusing it avoids fresh megabyte-sized temporaries, which the C allocator maps anew
     on every call (page faults doubled the encode time on a CPU).
     """
+    if scratch is not None and bitpack.kernels_enabled(chunks.device):  # the choice in one pass over p
+        from .kernels import hsq as khsq
+
+        n, k = chunks.shape[0], cb.shape[0]
+        p = torch.mm(chunks, cb.T, out=scratch[:n * k].view(n, k))
+        idx, u = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float32)
+        khsq.argmax_magnitude(p.numpy(), idx.numpy(), u.numpy())
+        return idx, u
     if scratch is None:
         p = chunks @ cb.T
         magnitude = p.abs()

@@ -1,6 +1,8 @@
-"""HSQ's decode (:class:`mpicomm.codecs.hsq.HSQCodec`) in one pass over every compressed layer.
+"""HSQ's greedy choice and its decode (:class:`mpicomm.codecs.hsq.HSQCodec`) on a CPU.
 
-Every compressed layer's norms u_i (its ``UniformCodec`` header and codes) and chunks ``u_i c_{k_i}``
+:func:`argmax_magnitude` picks every chunk's codeword from the products BLAS computed (``abs`` +
+``argmax`` + ``gather`` in one pass, the same choice: a selection, no arithmetic). :func:`decode_layers`
+decodes every compressed layer's norms u_i (its ``UniformCodec`` header and codes) and chunks ``u_i c_{k_i}``
 (float32 products, the last chunk cut at the layer's end) from the packed indices, with the float32
 operations of ``HSQCodec._decode_norms`` and the per-layer ``index_select`` + ``mul_``.
 """
@@ -11,7 +13,32 @@ import numpy as np
 
 from ._jit import inline, kernel
 
-__all__ = ["decode_layers"]
+_MAGNITUDE, _INF = np.int32(0x7FFFFFFF), np.int32(0x7F800000)
+
+__all__ = ["argmax_magnitude", "decode_layers"]
+
+
+@kernel
+def argmax_magnitude(p, idx, u):
+    """For every row r of the float32 (n, K) products ``p``: ``idx[r]`` = the first index of the largest ``|p[r]|``
+    (numpy's ``argmax(abs(p))``: the first NaN if there is one) and ``u[r] = p[r, idx[r]]``.
+
+    The largest magnitude is taken over the bit patterns with the sign cleared, as int32 (they order as the
+    floats do, NaN above infinity, and the maximum vectorises), then the row is scanned for its first index.
+    """
+    bits = p.view(np.int32)
+    for r in range(p.shape[0]):
+        m = np.int32(0)
+        for k in range(p.shape[1]):
+            m = max(m, bits[r, k] & _MAGNITUDE)
+        at = 0
+        if m > _INF:
+            while (bits[r, at] & _MAGNITUDE) <= _INF:
+                at += 1
+        else:
+            while (bits[r, at] & _MAGNITUDE) != m:
+                at += 1
+        idx[r], u[r] = at, p[r, at]
 
 
 @inline
