@@ -42,7 +42,7 @@ ALGORITHMS = {
     "dcd": ({"codec": "sign"}, False),
     "pdsgdm": ({"period": 2, "momentum": 0.9}, False),
     "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
-    "adpsgd": ({"momentum": 0.9}, True),  # asynchronous: which peer state a pull sees varies, so 10 %
+    "adpsgd": ({"momentum": 0.9}, True),  # asynchronous (ASYNCHRONOUS below)
     "moniqua_adpsgd": ({"momentum": 0.9}, True),
     "allreduce_sgd": ({"momentum": 0.9}, False),
     "qsgd": ({"bits": 4}, True),
@@ -56,6 +56,10 @@ ALGORITHMS = {
     "allreduce_adam": ({"lr": 1e-3}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
 }
+ASYNCHRONOUS = {"adpsgd", "moniqua_adpsgd"}
+"""Which peer state a pull sees depends on timing. Usually a device run and a CPU run see the same and agree
+exactly, but about one pair in five interleaves differently and their last losses differ by 10-11 %
+(measured with the CPU part of the check): such a pair is run again, up to three times in all."""
 
 
 def algorithm_name(key: str) -> str:

@@ -4,16 +4,20 @@ A codec written as torch/numpy ops makes one pass over memory per op: uniform ne
 (subtract, scale, + 1/2, clamp, float -> int, pack), and each costs 0.2-0.4x a copy of the tensor. A kernel
 here reads every element once and writes its code once, so an encode costs about one copy
 (``bench/codecs.py``). The kernels compute the very float32 operations of the op-at-a-time paths they
-replace, in the same order and without fused multiply-adds (numba does not contract floating-point
-operations unless asked to), so their bytes and values are bit for bit those paths', which stay as the
-reference (``bitpack.use_backend("numpy")`` runs them on a CPU) and as the CUDA path
+replace, in the same order: numba does not contract a multiply and an add unless asked, and where torch's
+vectorised ops do round ``a * b + c`` once (``addcmul_``, ``add_(alpha=)``) the kernel calls ``llvm.fma``
+too (:func:`._jit.fma32`). Their bytes and values are therefore bit for bit those paths', which stay as
+the reference (``bitpack.use_backend("numpy")`` runs them on a CPU) and as the CUDA path
 (``tests/test_codec_kernels.py``).
 
-The kernels are compiled the first time they run (about a second per kernel, ``bench/codecs.py`` reports
-it) and cached on disk next to this package, or under ``NUMBA_CACHE_DIR`` if it is read-only, so later
-processes load them in milliseconds. They run in the calling thread (``nogil``, no threading layer),
-which is what one MPI rank per core wants. Codecs import a kernel module at their first CPU call, so a
-process that never quantizes on a CPU never imports numba.
+One module per codec family: :mod:`.uniform`, :mod:`.qsgd` (and TernGrad), :mod:`.modulo`
+(``ModuloCodec``), :mod:`.dither` and :mod:`.lattice_frame` (Moniqua's frames), :mod:`.hsq`.
+
+The kernels are compiled on first use and cached on disk next to this package (or under
+``NUMBA_CACHE_DIR`` if it is read-only), so later processes load them in milliseconds;
+:mod:`mpicomm.algorithms.kernel_warmup` compiles them all ahead (about 20 s once). They run in the calling
+thread (``nogil``, no threading layer), which is what one MPI rank per core wants. Codecs import a kernel
+module at their first CPU call, so a process that never quantizes on a CPU never imports numba.
 """
 
 from __future__ import annotations
