@@ -120,6 +120,7 @@ class QSGDCodec(Codec):
                     bucket, invs = m, np.full(1, inv_whole, np.float32)
                 else:
                     first, bucket = start // self.bucket_size, self.bucket_size
+                    # a view into the fresh payload's header (4-byte aligned): the kernel writes the scales there
                     scales = read_field(payload, 4 * first, -(-m // bucket), torch.float32).numpy()
                     invs = np.empty(scales.size, np.float32)
                     kernel.bucket_scales(xc.numpy(), bucket, np.float32(self.s), scales, invs)
