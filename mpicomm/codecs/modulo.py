@@ -102,20 +102,23 @@ class ModuloCodec:
         levels = float(1 << bits)
         payload = torch.empty(self.payload_bytes(n), dtype=torch.uint8, device=dev)
         step = chunk_elems(dev)
-        t = torch.empty(min(step, n), dtype=torch.float32, device=dev)
-        f = torch.empty_like(t)
-        codes = torch.empty(t.numel(), dtype=torch.uint8, device=dev)
         kernel = bitpack.kernels_enabled(dev) and bits in kernels.WIDTHS
+        # a float32 chunk buffer: the kernel needs it only to convert a half-precision input, the torch path always
+        t = torch.empty(min(step, n) if not kernel or x.dtype != torch.float32 else 0, dtype=torch.float32,
+                        device=dev)
+        if kernel:
+            from .kernels import modulo
+        else:
+            f = torch.empty_like(t)
+            codes = torch.empty(t.numel(), dtype=torch.uint8, device=dev)
         for start, stop in chunk_ranges(n, step):
             m = stop - start
-            tc, fc, cc = t[:m], f[:m], codes[:m]
             out = payload[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
             if kernel:
-                from .kernels import modulo
-
                 draws = _EMPTY16 if self._rng is None else self._rng.draw16(m, dev).numpy()
-                modulo.encode(f32_chunk(x[start:stop], tc).numpy(), draws, np.float32(levels / B), bits, out.numpy())
+                modulo.encode(f32_chunk(x[start:stop], t[:m]).numpy(), draws, np.float32(levels / B), bits, out.numpy())
                 continue
+            tc, fc, cc = t[:m], f[:m], codes[:m]
             torch.mul(f32_chunk(x[start:stop], tc), levels / B, out=tc)  # t = x*2^b/B + 2^(b-1) [+ u]
             tc.add_(levels / 2)
             if self._rng is not None:

@@ -105,14 +105,13 @@ class QSGDCodec(Codec):
             write_field(payload, 0, torch.maximum(-lo, hi).float().reshape(1))
             whole = read_field(payload, 0, 1, torch.float32).item()
             inv_whole = self.s / whole if whole > 0 else 0.0
-        step = self._chunk(dev)
-        y = torch.empty(min(step, n), dtype=torch.float32, device=dev)
-        q = torch.empty(y.numel(), dtype=torch.int8, device=dev)
-        x32 = torch.empty_like(y) if x.dtype != torch.float32 else None
-        kernel = self._kernel(dev)
+        step, kernel = self._chunk(dev), self._kernel(dev)
+        x32 = torch.empty(min(step, n), dtype=torch.float32, device=dev) if x.dtype != torch.float32 else None
+        if kernel is None:  # the torch path's working buffers
+            y = torch.empty(min(step, n), dtype=torch.float32, device=dev)
+            q = torch.empty(y.numel(), dtype=torch.int8, device=dev)
         for start, stop in chunk_ranges(n, step):
             m = stop - start
-            yc, qc = y[:m], q[:m]
             xc = x[start:stop] if x32 is None else x32[:m].copy_(x[start:stop])
             if kernel is not None:
                 out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)].numpy()
@@ -129,6 +128,7 @@ class QSGDCodec(Codec):
                 else:
                     kernel.encode_with_uniforms(xc.numpy(), uniforms[start:stop].numpy(), invs, bucket, bits, out)
                 continue
+            yc, qc = y[:m], q[:m]
             if self.bucket_size is None:
                 self._uniform(yc, uniforms, start).add_(xc, alpha=inv_whole)
             else:

@@ -96,24 +96,27 @@ class UniformCodec(Codec):
         rng = self._rng
         body = payload[self._header :]
         step = chunk_elems(x.device)
-        y = torch.empty(min(step, n), dtype=torch.float32, device=x.device)
-        u = torch.empty_like(y) if rng is not None else None
-        codes = torch.empty(y.numel(), dtype=torch.uint8, device=x.device)
         kernel = bitpack.kernels_enabled(x.device) and bits in kernels.WIDTHS
+        # a float32 chunk buffer: the kernels need it only to convert a half-precision input, the torch path always
+        y = torch.empty(min(step, n) if not kernel or x.dtype != torch.float32 else 0, dtype=torch.float32,
+                        device=x.device)
         if kernel:
             from .kernels import uniform as kuniform
             args = (np.float32(lo.item()), np.float32(scale.item()), np.float32(self.levels), bits)
+        else:
+            u = torch.empty_like(y) if rng is not None else None
+            codes = torch.empty(y.numel(), dtype=torch.uint8, device=x.device)
         for start, stop in chunk_ranges(n, step):
             m = stop - start
-            yc, cc = y[:m], codes[:m]
             out = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
             if kernel:
-                xc = f32_chunk(x[start:stop], yc).numpy()
+                xc = f32_chunk(x[start:stop], y[:m]).numpy()
                 if rng is None:
                     kuniform.encode_nearest(xc, *args, out.numpy())
                 else:
                     kuniform.encode_stochastic(xc, rng.draw16(m, x.device).numpy(), *args, out.numpy())
                 continue
+            yc, cc = y[:m], codes[:m]
             torch.sub(f32_chunk(x[start:stop], yc), lo, out=yc)
             yc.mul_(scale)
             if rng is None:
