@@ -1,20 +1,43 @@
-"""Launching the apps under mpiexec from tests: the command, the short ResNet case, strict metrics reading."""
+"""Launching the apps under mpiexec from tests: the command, the short ResNet case, strict metrics reading.
+
+Every test that starts an MPI job takes ``mpiexec`` from :func:`mpiexec`: the one installed next to this
+Python (the MPICH wheel's, the library mpi4py uses), never whichever is first on PATH, and a missing one
+fails the test instead of skipping it.
+"""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESNET = ["--model", "resnet20", "--batch-size", "8", "--eval-limit", "32", "--max-steps", "4", "--log-every", "1",
           "--no-progress"]
+
+
+def mpiexec() -> str:
+    """The ``mpiexec`` next to ``sys.executable``; fails the calling test when there is none."""
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        pytest.fail(f"no mpiexec next to {sys.executable} ({path}): the tests launch the MPI library mpi4py uses "
+                    "(pip install mpich, or scripts/setup_env.sh)", pytrace=False)
+    return path
+
+
+def with_mpiexec_on_path(env: dict | None = None) -> dict:
+    """``env`` (default: this process's) with :func:`mpiexec`'s folder first on PATH, for scripts that call it."""
+    env = dict(os.environ if env is None else env)
+    env["PATH"] = os.path.dirname(mpiexec()) + os.pathsep + env.get("PATH", "")
+    return env
 
 
 def launch(ranks: int, app: str, args: list[str], timeout: int = 240,
            env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``apps/<app>`` on ``ranks`` ranks with ``env`` added; its output (the timeout only catches a hang)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(["mpiexec", "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args],
+    return subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 

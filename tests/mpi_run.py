@@ -4,22 +4,85 @@ Rank 0 prints its session as usual; the other ranks write theirs to a temporary 
 only when that rank failed, so the log stays readable and no failure is hidden. The process exits
 with the worst exit code of all ranks.
 
-usage: mpiexec -n N python tests/mpi_run.py [pytest args...]
+Before any test, every rank checks that ``MPI.COMM_WORLD`` has as many ranks as were started: as many
+as the launcher says it started (MPICH's ``PMI_SIZE``, Open MPI's ``OMPI_COMM_WORLD_SIZE``, or srun's
+``SLURM_STEP_NUM_TASKS`` / ``SLURM_NTASKS``) and, if given, as ``--expect-ranks N`` (or the environment
+variable ``MPICOMM_EXPECT_RANKS``). An ``mpiexec`` of another MPI library than mpi4py's starts N
+independent 1-rank worlds, in which every test that needs peers would skip or return early and the tier
+would pass having tested nothing; this refuses such a run with exit code 3 instead.
+
+usage: mpiexec -n N python tests/mpi_run.py [--expect-ranks N] [pytest args...]
 """
+
+from __future__ import annotations
 
 import os
 import sys
 import tempfile
 
 import pytest
-from mpi4py import MPI
+
+LAUNCHER_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # set for every rank by MPICH's hydra, Open MPI's mpirun
+SRUN_SIZES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")  # what srun started (only inside an srun step)
+MISMATCH_EXIT = 3
+
+
+def launcher_size(environ) -> tuple[str, int] | None:
+    """(variable, ranks) the launcher says it started, from ``environ``; None if no launcher says."""
+    names = LAUNCHER_SIZES + (SRUN_SIZES if "SLURM_STEP_ID" in environ else ())
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return name, int(value)
+    return None
+
+
+def expected_ranks(argv: list[str], environ) -> tuple[int | None, list[str]]:
+    """The ``--expect-ranks N`` (or ``MPICOMM_EXPECT_RANKS``) count, and ``argv`` without that option."""
+    rest, expect = [], environ.get("MPICOMM_EXPECT_RANKS", "").strip() or None
+    args = iter(argv)
+    for arg in args:
+        if arg == "--expect-ranks":
+            expect = next(args, "")
+        elif arg.startswith("--expect-ranks="):
+            expect = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if expect is None:
+        return None, rest
+    if not expect.isdigit() or int(expect) < 1:
+        raise SystemExit(f"tests/mpi_run.py: --expect-ranks / MPICOMM_EXPECT_RANKS must be a positive integer, "
+                         f"got {expect!r}")
+    return int(expect), rest
+
+
+def size_problem(size: int, expect: int | None, environ) -> str:
+    """Why a world of ``size`` ranks is not the one started ('' if it is)."""
+    problems = []
+    said = launcher_size(environ)
+    if said is not None and said[1] != size:
+        problems.append(f"the launcher started {said[1]} ({said[0]}={said[1]})")
+    if expect is not None and expect != size:
+        problems.append(f"{expect} were expected (--expect-ranks / MPICOMM_EXPECT_RANKS)")
+    if not problems:
+        return ""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return (f"tests/mpi_run.py: MPI.COMM_WORLD has {size} rank(s), but {' and '.join(problems)}: the mpiexec "
+            f"that started this job does not belong to mpi4py's MPI library (use {here}), or the count is wrong")
 
 
 def main() -> int:
-    """Run pytest on this rank, then combine the exit codes of all ranks."""
+    """Check the world size, run pytest on this rank, then combine the exit codes of all ranks."""
+    expect, pytest_args = expected_ranks(sys.argv[1:], os.environ)
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    args = ["--with-mpi", *sys.argv[1:]]
+    problem = size_problem(comm.Get_size(), expect, os.environ)
+    if problem:  # the same on every rank of this world: no rank waits for another
+        print(problem, file=sys.stderr, flush=True)
+        return MISMATCH_EXIT
+    args = ["--with-mpi", *pytest_args]
     if rank == 0:
         code = int(pytest.main(args))
         log_text = ""

@@ -17,7 +17,6 @@ rotating quarter, dither, theta per tensor: ``default``), in the paper's form (1
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -28,20 +27,18 @@ from mpicomm.comm import Communicator
 from mpicomm.comm.rma import Mailbox
 
 from .algo_common import topologies_for
+from .app_runs import mpiexec
 from .conftest import run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Run the 4-rank asynchronous job once; its JSON results."""
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found")
     out = tmp_path_factory.mktemp("adpsgd") / "results.json"
     env = dict(os.environ, MPIR_CVAR_ASYNC_PROGRESS="1", OMP_NUM_THREADS="1")
-    cmd = [MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", os.path.join(HERE, "adpsgd_job.py"), str(out), "2.5",
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", os.path.join(HERE, "adpsgd_job.py"), str(out), "2.5",
            "0.1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

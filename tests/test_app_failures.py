@@ -17,7 +17,6 @@ from mpicomm.training.metrics import continued
 from .app_runs import RESNET, launch, strict_records
 from .conftest import mount_tmpfs
 
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 DPSGD = [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9"]
 
 

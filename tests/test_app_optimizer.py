@@ -8,7 +8,6 @@ must reproduce the stored D-PSGD reference curve of the built-in optimizer (same
 import importlib
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -21,7 +20,6 @@ from .app_runs import REPO, RESNET, launch
 
 APPS = os.path.join(REPO, "apps")
 REFERENCE = os.path.join(REPO, "tests", "reference", "apps.json")
-needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
 
 def _apps_module(name):
@@ -56,7 +54,6 @@ def test_bert_groups_put_biases_and_layernorm_in_the_group_without_decay():
     assert any("word_embeddings" in n for n in _names(model, decayed))
 
 
-@needs_mpiexec
 def test_groups_without_decay_reproduce_the_builtin_dpsgd_curve(tmp_path):
     """Weight decay 0: the app's torch SGD over two groups takes the built-in SGD's steps (stored curve)."""
     proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--no-decay-bias-norm",
@@ -70,7 +67,6 @@ def test_groups_without_decay_reproduce_the_builtin_dpsgd_curve(tmp_path):
     assert losses[1:] == pytest.approx(expected[1:], rel=3e-2)
 
 
-@needs_mpiexec
 def test_accumulation_clipping_and_groups_run_together(tmp_path):
     proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "allreduce_sgd", "--overlap", "--momentum", "0.9",
                                         "--weight-decay", "5e-4", "--no-decay-bias-norm", "--accumulate", "2",
@@ -85,7 +81,6 @@ def test_accumulation_clipping_and_groups_run_together(tmp_path):
     assert train[-1]["sum_count"] == 2 * 8 * 2  # one step = 2 micro-batches of 8 on each of 2 ranks
 
 
-@needs_mpiexec
 @pytest.mark.parametrize("args, message", [
     (["--algorithm", "hsq", "--no-decay-bias-norm"], "--no-decay-bias-norm needs an algorithm that accepts"),
     (["--algorithm", "lamb", "--clip-grad-norm", "1"], "lamb does not support clip_grad_norm_"),

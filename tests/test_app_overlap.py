@@ -1,17 +1,10 @@
 """``--overlap`` of the compressed methods in the apps (MPI jobs): the same run as without, or one clear refusal."""
 
-import shutil
-
-import pytest
-
 from mpicomm.training.metrics import read_metrics
 
 from .app_runs import RESNET, launch
 
-needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
-
-@needs_mpiexec
 def test_qsgd_overlap_trains_exactly_as_without(tmp_path):
     losses, sent = {}, {}
     for flag in ("--overlap", "--no-overlap"):
@@ -27,7 +20,6 @@ def test_qsgd_overlap_trains_exactly_as_without(tmp_path):
     assert 0 <= sent["--overlap"] - sent["--no-overlap"] <= 4 * 100  # at most a byte of padding per bucket
 
 
-@needs_mpiexec
 def test_terngrad_overlap_fails_with_one_clear_message():
     proc = launch(2, "train_resnet.py", ["--max-steps", "1", "--no-progress", "--algorithm", "terngrad", "--overlap"],
                   timeout=120)

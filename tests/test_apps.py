@@ -23,11 +23,10 @@ import pytest
 
 from mpicomm.training.metrics import read_metrics
 
-from .app_runs import REPO, RESNET
+from .app_runs import REPO, RESNET, mpiexec
 from .app_runs import launch as _launch
 
 REFERENCE = os.path.join(REPO, "tests", "reference", "apps.json")
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
 BERT = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-sequences", "16", "--max-steps", "4",
         "--log-every", "1", "--no-progress", "--lr", "1e-3"]
@@ -143,7 +142,7 @@ def test_interrupted_modelled_run_stops_cleanly_and_leaves_nothing_behind(tmp_pa
     args = list(args)
     args[args.index("--max-steps") + 1] = "40"  # far more than the run gets to do
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args,
+    proc = subprocess.Popen([mpiexec(), "-n", str(ranks), sys.executable, os.path.join(REPO, "apps", app), *args,
                              "--out-dir", str(tmp_path), "--net", "8mbit,10ms"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"

@@ -8,15 +8,12 @@ first fp32 loss (before any update) within 1 %.
 
 import json
 import math
-import shutil
 
 import pytest
 
 from mpicomm.training.metrics import read_metrics
 
 from .test_apps import CASES, REFERENCE, _launch
-
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
 
 def _losses(path) -> tuple[list[float], dict]:

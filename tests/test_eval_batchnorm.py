@@ -7,15 +7,11 @@ h5py, equal bit for bit; the recomputation must also have changed what was evalu
 statistics are the right ones is checked against an independent computation in ``tests/test_export.py``.
 """
 
-import shutil
 
 import h5py
 import numpy as np
-import pytest
 
 from .app_runs import RESNET, launch, strict_records
-
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
 
 def _run(tmp_path, name: str, bn_batches: int):

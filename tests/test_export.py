@@ -24,7 +24,6 @@ from mpicomm.cli import main as cli
 
 from .app_runs import RESNET, launch, strict_records
 
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 APPS = Path(__file__).resolve().parents[1] / "apps"
 EVAL_LIMIT = int(RESNET[RESNET.index("--eval-limit") + 1])
 BERT = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-sequences", "16", "--max-steps", "4",

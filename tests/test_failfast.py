@@ -3,14 +3,11 @@
 These tests launch their own small MPI jobs, so they run in the serial tier (no --with-mpi).
 """
 
-import shutil
 import subprocess
 import sys
 import time
 
-import pytest
-
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
+from .app_runs import mpiexec
 
 RAISE_THEN_BARRIER = """
 from mpi4py import MPI
@@ -25,7 +22,7 @@ comm = MPI.COMM_WORLD
 def _run(script: str, *python_args: str) -> tuple[int, float, str]:
     t0 = time.monotonic()
     proc = subprocess.run(
-        ["mpiexec", "-n", "3", sys.executable, *python_args, "-c", script],
+        [mpiexec(), "-n", "3", sys.executable, *python_args, "-c", script],
         capture_output=True, text=True, timeout=60,
     )
     return proc.returncode, time.monotonic() - t0, proc.stderr

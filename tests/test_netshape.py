@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from .app_runs import with_mpiexec_on_path
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netshape.sh"
 WRAP = ROOT / "scripts" / "netshape_rank.sh"
@@ -38,8 +40,6 @@ def _usable() -> str:
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"needs '{tool}'"
-    if shutil.which("mpiexec") is None:
-        return "needs MPICH's mpiexec on PATH"
     try:
         ok = subprocess.run(["ip", "netns", "list"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -66,7 +66,9 @@ def no_leftovers():
 
 
 def _netshape(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """The script, with the mpiexec next to this Python first on PATH (its ``mpirun`` calls mpiexec by name)."""
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=with_mpiexec_on_path())
 
 
 def _probe(net: str, ranks: int, *probe_args) -> dict:
@@ -135,8 +137,8 @@ def test_interrupted_run_cleans_up(no_leftovers, tmp_path, sig):
     # script with SIGINT at its default, as a terminal or scheduler would, whatever this process inherited
     proc = subprocess.Popen([str(SCRIPT), "mpirun", "--ranks", "2", "--net", "100mbit,0us", "--", "sh", "-c",
                              f'echo $$ >> {pids}; exec sleep 60'],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            cwd=ROOT, env=with_mpiexec_on_path(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while len(pids.read_text().split()) < 2:  # both ranks are sleeping in their namespaces

@@ -7,7 +7,6 @@ the path); writing and reading event files only where the optional package is in
 
 import importlib.util
 import os
-import shutil
 import sys
 
 import pytest
@@ -18,7 +17,6 @@ from .app_runs import RESNET, launch
 
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 needs_tensorboard = pytest.mark.skipif(not HAVE_TENSORBOARD, reason="the tensorboard extra is not installed")
-needs_mpiexec = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH")
 
 
 def _scalars(logdir) -> dict[str, dict[int, float]]:
@@ -48,7 +46,6 @@ def test_require_tensorboard_names_the_extra(monkeypatch):
         require_tensorboard()
 
 
-@needs_mpiexec
 def test_the_app_refuses_tensorboard_without_the_package_in_one_line(tmp_path):
     proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--tensorboard", str(tmp_path / "tb")],
                   env=_fake_tensorboard(tmp_path))
@@ -80,7 +77,6 @@ def test_mirror_writes_numbers_and_a_resume_purges_what_it_supersedes(tmp_path):
 
 
 @needs_tensorboard
-@needs_mpiexec
 def test_the_apps_metrics_reach_tensorboard_from_rank_0(tmp_path):
     proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--out-dir", str(tmp_path / "run"),
                                          "--tensorboard", str(tmp_path / "tb")])
