@@ -3,11 +3,76 @@ that a run's first step compiles nothing (``mpicomm.algorithms.kernel_warmup``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from mpicomm.algorithms import kernel_warmup
 from mpicomm.codecs import HSQCodec, ModuloCodec, QSGDCodec, TernGradCodec, UniformCodec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+COLD_CHILD = r"""
+import json, random, sys
+import numpy as np, torch
+from mpi4py import MPI
+from mpicomm.algorithms import kernel_warmup
+from mpicomm.codecs import HSQCodec, ModuloCodec, QSGDCodec, UniformCodec, bitpack
+
+torch.manual_seed(1); np.random.seed(2); random.seed(3)
+
+def streams():
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state().numpy().tobytes().hex(),
+            "numpy": [np_state[0], np_state[1].tobytes().hex(), *map(float, np_state[2:])],
+            "python": repr(random.getstate())}
+
+cold = not kernel_warmup.kernels_cached()
+before = streams()
+kernel_warmup.prepare_kernels(MPI.COMM_SELF, torch.device("cpu"))  # what make_algorithm calls
+after = streams()
+x = torch.randn(1001, generator=torch.Generator().manual_seed(7)) * 3
+right = {}
+for name, make in {"uniform 2 stochastic": lambda: UniformCodec(2, rounding="stochastic", seed=3),
+                   "qsgd 4": lambda: QSGDCodec(4, seed=5), "hsq": lambda: HSQCodec([1001], d=8, seed=1)}.items():
+    out = {}
+    for backend in ("kernels", "torch"):
+        with bitpack.use_backend(backend):
+            codec = make()
+            payload = codec.encode(x)
+            out[backend] = (payload.view(torch.uint8), codec.decode(payload, x.numel()))
+    right[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                      for a, b in zip(out["kernels"], out["torch"]))
+with bitpack.use_backend("kernels"):
+    modulo = ModuloCodec(4)
+    got = modulo.decode(modulo.encode(x, 0.5), x, 0.5)
+with bitpack.use_backend("torch"):
+    want = ModuloCodec(4).decode(ModuloCodec(4).encode(x, 0.5), x, 0.5)
+right["modulo 4"] = torch.equal(got, want)
+print(json.dumps({"cold": cold, "cached_after": kernel_warmup.kernels_cached(),
+                  "unchanged": {k: before[k] == after[k] for k in before}, "right": right}))
+"""
+
+
+def test_cold_cache_warm_up_draws_from_no_shared_random_stream(tmp_path):
+    """With numba's cache empty (a fresh install), the warm-up compiles every kernel and leaves torch's, numpy's
+    and Python's global generators exactly as it found them (rank 0 compiles alone: a draw would make its run
+    differ from the other ranks' and from every later run), and the kernels it compiled encode and decode bit
+    for bit as the torch path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", COLD_CHILD], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["cold"] and got["cached_after"], got
+    assert "compiling the codec kernels once" in proc.stderr
+    assert got["unchanged"] == {"torch": True, "numpy": True, "python": True}, got
+    assert all(got["right"].values()), got
 
 
 def signatures() -> dict:
