@@ -1,5 +1,9 @@
 """Resume is exact for every registered algorithm: 2N straight == N, stop, checkpoint, resume, N more.
 
+A restart from step 0 is bit-identical to the straight run for the methods whose runs draw no random numbers
+of their own, so the split run must also show that it resumed: the ``resume`` event at the split step, naming
+the checkpoint it saved there, and the algorithm's step counter restored before its first step.
+
 Runs the real training loop (``run_training``) with real HDF5 checkpoints on a tiny MLP task, under
 pytest-mpi at 1, 2 and 4 ranks; parameters, BatchNorm-free buffers, optimizer and algorithm state, RNG
 and data position all go through the checkpoint.
@@ -12,6 +16,7 @@ from mpicomm import topology
 from mpicomm.algorithms import ALGORITHMS, make_algorithm
 from mpicomm.comm import Communicator
 from mpicomm.training.loop import TrainConfig, run_training
+from mpicomm.training.metrics import read_metrics
 
 from .algo_common import batch, make_model
 from .conftest import run_all
@@ -58,25 +63,43 @@ class TinyTask:
 
 
 def _run(comm, name, out_dir, **cfg):
+    """Train; the algorithm, the end summary, and the algorithm's step counter at each of its steps."""
     task = TinyTask(comm.Get_rank())
     schedule = topology.ring(comm.Get_size())
     algo = make_algorithm(name, task.model, Communicator(comm, schedule), **OPTIONS.get(name, {}))
     config = TrainConfig(epochs=3, max_steps=STEPS, lr=0.05, log_every=2, out_dir=out_dir, progress=False,
                          handle_signals=False, **cfg)
+    counters, step = [], algo.step
+
+    def counted_step():
+        counters.append(algo.step_count)
+        step()
+
+    algo.step = counted_step
     summary = run_training(task, algo, config)
-    return algo, summary
+    return algo, summary, counters
 
 
 @pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - ASYNC))
 def test_resume_is_bit_exact(comm, name, tmp_path_factory):
+    """Straight 2N steps and N, stop, resume, N more end bit for bit alike, and the second half really resumed:
+    its metrics carry a ``resume`` event at step N from the checkpoint saved there, and the algorithm's step
+    counter was N at its first step."""
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 
     def body():
-        straight, _ = _run(comm, name, f"{root}/straight")
-        _, first = _run(comm, name, f"{root}/split", stop_at_step=STEPS // 2)
+        straight, _, _ = _run(comm, name, f"{root}/straight")
+        _, first, _ = _run(comm, name, f"{root}/split", stop_at_step=STEPS // 2)
         assert first["step"] == STEPS // 2 and first["stopped_by_signal"]
-        resumed, last = _run(comm, name, f"{root}/split", resume="latest")
+        resumed, last, counters = _run(comm, name, f"{root}/split", resume="latest")
         assert last["step"] == STEPS
+        records = read_metrics(f"{root}/split/metrics.jsonl")
+        saved = [r["path"] for r in records if r["event"] == "checkpoint" and r["step"] == STEPS // 2]
+        resumes = [(r["step"], r["path"]) for r in records if r["event"] == "resume"]
+        assert len(saved) == 1 and resumes == [(STEPS // 2, saved[0])], (saved, resumes)
+        starts = [(r["step"], r["resumed_from"]) for r in records if r["event"] == "start"]
+        assert starts == [(0, ""), (STEPS // 2, saved[0])], starts
+        assert counters == list(range(STEPS // 2, STEPS)), counters
         assert torch.equal(resumed.flat.data, straight.flat.data), (
             f"{name}: max diff {float((resumed.flat.data - straight.flat.data).abs().max())}")
         assert resumed.step_count == straight.step_count
