@@ -6,6 +6,8 @@ from .app_runs import RESNET, launch
 
 
 def test_qsgd_overlap_trains_exactly_as_without(tmp_path):
+    """``--overlap`` reaches the algorithm (the configuration its start event records has overlap on, with the
+    bucket sizes given; off with ``--no-overlap``), and the run's losses equal those without it, bit for bit."""
     losses, sent = {}, {}
     for flag in ("--overlap", "--no-overlap"):
         out = tmp_path / flag.strip("-")
@@ -13,7 +15,11 @@ def test_qsgd_overlap_trains_exactly_as_without(tmp_path):
                                             "--accumulate", "2", flag, "--first-bucket-numel", "1000",
                                             "--bucket-numel", "50000", "--out-dir", str(out)])
         assert proc.returncode == 0, proc.stderr[-3000:]
-        train = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["event"] == "train"]
+        records = read_metrics(str(out / "metrics.jsonl"))
+        config = next(r for r in records if r["event"] == "start")["config"]
+        assert config["overlap"] is (flag == "--overlap"), (flag, config)
+        assert (config["first_bucket_numel"], config["bucket_numel"]) == (1000, 50000), config
+        train = [r for r in records if r["event"] == "train"]
         losses[flag] = [r["loss"] for r in train]
         sent[flag] = train[-1]["bytes_sent"]
     assert len(losses["--overlap"]) == 4 and losses["--overlap"] == losses["--no-overlap"]

@@ -4,6 +4,8 @@ Every topology is built from ``comm.Get_size()``, so the file runs at 1, 2 and 4
 a tensor whose values encode (sender, step, dtype), so a received row proves where it came from.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -57,18 +59,42 @@ def test_neighbor_allgather_values_and_ledger(comm, dtype, stage):
     run_all(comm, body)
 
 
+HOLD_S = 30  # hang guard: how long rank 0's in-neighbours hold their send back waiting for its word
+
+
 def test_ineighbor_allgather_overlaps_and_matches_blocking(comm):
+    """``ineighbor_allgather`` returns while its data cannot have arrived: rank 0 posts it while its
+    in-neighbours hold their sends back until it says so, finds the request still pending before and after
+    computing, then lets them send; every rank receives the rows the blocking call gives. (Were the post
+    blocking, rank 0 would wait in it for its in-neighbours: they stop holding back after ``HOLD_S`` s, so the
+    test fails on the pending check instead of hanging.)"""
     def body():
         c = Communicator(comm, topo.ring(comm.Get_size()))
         send = _payload(c.rank, 0, 1000, torch.float32)
-        handle = c.ineighbor_allgather(send)
-        busy = torch.randn(200, 200) @ torch.randn(200, 200)  # compute while the message is in flight
+        pending = []
+        if c.rank == 0:
+            handle = c.ineighbor_allgather(send)
+            pending.append(not handle.test())
+            busy = torch.randn(200, 200) @ torch.randn(200, 200)  # compute while the message is in flight
+            pending.append(not handle.test())
+            comm.Ibarrier().Wait()  # the in-neighbours may send now
+        else:
+            go = comm.Ibarrier()
+            deadline = time.monotonic() + HOLD_S
+            while not go.Test() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            handle = c.ineighbor_allgather(send)
+            busy = torch.randn(200, 200) @ torch.randn(200, 200)
         got = handle.wait().clone()
         assert handle.wait() is not None  # idempotent
+        if c.rank != 0:
+            go.Wait()
         expected = torch.stack([_payload(s, 0, 1000, torch.float32) for s in c.in_neighbors()]) \
             if c.in_neighbors() else torch.empty(0, 1000)
         assert torch.equal(got, expected)
         assert busy.shape == (200, 200)
+        if c.rank == 0 and c.in_neighbors():
+            assert pending == [True, True], f"request complete before any in-neighbour sent: {pending}"
 
     run_all(comm, body)
 
