@@ -58,6 +58,9 @@ def dpsgd_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_training_losses_match_reference(case, tmp_path):
+    """The case trains, sends bytes and logs 4 losses equal to the stored curve (first to 1e-5, then 3 %). With
+    ``MPICOMM_UPDATE_REFERENCES=1`` it stores this run's curve instead and fails, saying so: a run that
+    compared nothing must not pass."""
     ranks, app, args = CASES[case]
     proc = _launch(ranks, app, [*args, "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,7 +74,8 @@ def test_training_losses_match_reference(case, tmp_path):
         os.makedirs(os.path.dirname(REFERENCE), exist_ok=True)
         with open(REFERENCE, "w") as f:
             json.dump(stored, f, indent=1, sort_keys=True)
-        return
+        pytest.fail(f"{case}: MPICOMM_UPDATE_REFERENCES=1 stored this run's losses in {REFERENCE} and compared "
+                    "nothing; run again without it to check them", pytrace=False)
     expected = json.load(open(REFERENCE))[case]
     assert losses[0] == pytest.approx(expected[0], rel=FIRST_RTOL), f"{case}: losses {losses} vs {expected}"
     assert losses[1:] == pytest.approx(expected[1:], rel=LATER_RTOL), f"{case}: losses {losses} vs {expected}"
