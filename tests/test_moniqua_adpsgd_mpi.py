@@ -156,15 +156,21 @@ def test_guard_raise_names_the_tensor_before_anything_moves(comm):
     run_all(comm, body)
 
 
-@pytest.mark.parametrize("options", [{}, {"bits": 2, "rounding": "stochastic", "theta_per": "model"}])
-def test_resume_in_turns_is_bit_exact(comm, options):
-    """N + N == 2N: the theta rule, peers' theta, guard record, generator and message survive the state dict."""
+@pytest.mark.parametrize("name,options", [
+    ("adpsgd", {}),
+    ("moniqua_adpsgd", {}),
+    ("moniqua_adpsgd", {"bits": 2, "rounding": "stochastic", "theta_per": "model"}),
+], ids=["adpsgd", "moniqua_adpsgd", "moniqua_adpsgd-2bit-stochastic"])
+def test_resume_in_turns_is_bit_exact(comm, name, options):
+    """N + N == 2N in turns: the momentum, the peer generator (two peers to draw from on the 4-rank ring) and the
+    published message, and Moniqua's theta rule, peers' theta, guard record and rounding generator, survive the
+    state dict."""
     def body():
         schedule = topologies_for(comm.Get_size())[0]
 
         def fresh():
-            return make_algorithm("moniqua_adpsgd", make_model(), Communicator(comm, schedule), lr=0.1,
-                                  momentum=0.9, **options)
+            return make_algorithm(name, make_model(), Communicator(comm, schedule), lr=0.1, momentum=0.9,
+                                  **options)
 
         straight = fresh()
         in_turns(comm, 4, lambda: train(straight, 1))
