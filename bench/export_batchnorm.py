@@ -26,7 +26,6 @@ import torch  # noqa: E402
 from data.image_task import ImageTask  # noqa: E402
 from data.images import load_digits32  # noqa: E402
 from models.resnet import build_model  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from mpicomm.training.batchnorm import norm_layers, recomputed_statistics  # noqa: E402
@@ -52,7 +51,7 @@ def recomputed(state: dict, model_name: str, data, opts: dict, ranks: int) -> di
         model.load_state_dict(state)
         task = ImageTask(model, data, rank=rank, size=ranks, batch_size=int(opts["--batch-size"]),
                          seed=int(opts["--seed"]), dirichlet_alpha=float(opts["--dirichlet-alpha"]))
-        with recomputed_statistics(model, task, BN_BATCHES, MPI.COMM_SELF):  # one process: no averaging inside
+        with recomputed_statistics(model, task, BN_BATCHES, None):  # one process: no averaging inside
             per_rank.append([(m.running_mean.clone(), m.running_var.clone()) for m in norm_layers(model)])
     out = build_model(model_name, data.num_classes, "batch")
     out.load_state_dict(state)

@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse(command: str, exc: Exception) -> int:
+    """One line on stderr, exit status 2: the convention of every refused input (as argparse does)."""
+    print(f"mpicomm {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the sub-command on every rank."""
     args = _parser().parse_args(argv)
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args)
         except ValueError as exc:
-            raise SystemExit(f"mpicomm slurm {args.slurm_command}: error: {exc}") from exc
+            return _refuse(f"slurm {args.slurm_command}", exc)
     if args.command == "export":
         from .export.command import main as export_main
 
@@ -79,19 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(plot_runs(args.metrics, args.output, args.metric, labels))
         except ValueError as exc:
-            raise SystemExit(f"mpicomm plot: error: {exc}") from exc
+            return _refuse("plot", exc)
         return 0
-    from mpi4py import MPI
+    if args.numel <= 0:
+        return _refuse("demo", ValueError(f"--numel must be a positive integer, got {args.numel}"))
+    from .comm import abort_on_exception, world
 
-    from .comm import abort_on_exception
+    with abort_on_exception(world()):
+        from .demo import run_demo
 
-    with abort_on_exception(MPI.COMM_WORLD):
-        if args.command == "demo":
-            from .demo import run_demo
-
-            if args.numel <= 0:
-                raise SystemExit(f"mpicomm demo: --numel must be a positive integer, got {args.numel}")
-            run_demo(MPI.COMM_WORLD, numel=args.numel, theta=args.theta)
+        run_demo(world(), numel=args.numel, theta=args.theta)
     return 0
 
 

@@ -494,15 +494,24 @@ def _pair_stubs(n: int, degree: int, rng: np.random.Generator) -> np.ndarray | N
     return None
 
 
-def random_regular(n: int, degree: int, seed: int = 0) -> Topology:
+def default_degree(n: int) -> int:
+    """The degree ``random_regular`` takes when none is given: about log2(n), at least 2, below n, n*degree even."""
+    if n <= 2:
+        return n - 1
+    degree = min(n - 1, max(2, round(math.log2(n))))
+    return degree + 1 if (n * degree) % 2 and degree + 1 < n else degree
+
+
+def random_regular(n: int, degree: int | None = None, seed: int = 0) -> Topology:
     """A connected random ``degree``-regular graph, reproducible from ``seed`` (uniform weights).
 
-    Stubs are paired at random and clashing pairs re-drawn (Steger & Wormald, 1999; near-uniform for
-    small degree); disconnected draws are rejected. Raises RuntimeError if no connected graph is found
-    within a bounded number of attempts.
+    ``degree`` None: :func:`default_degree` (about log2 n, like the exponential graph). Stubs are paired at
+    random and clashing pairs re-drawn (Steger & Wormald, 1999; near-uniform for small degree);
+    disconnected draws are rejected. Raises RuntimeError if no connected graph is found within a bounded
+    number of attempts.
     """
     n = _check_size(n)
-    degree = _check_int("degree", degree, 0, n)
+    degree = _check_int("degree", default_degree(n) if degree is None else degree, 0, n)
     seed = _check_int("seed", seed, 0)
     if (n * degree) % 2:
         raise ValueError(f"n * degree must be even (a regular graph has n*degree/2 edges), got n={n}, "

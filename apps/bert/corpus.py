@@ -29,7 +29,15 @@ __all__ = ["load_documents", "pack_sequences", "shard", "split_documents"]
 
 
 def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    """A text file's contents; a binary or non-UTF-8 file is a ``ValueError`` naming it (training on it is noise)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        raise ValueError(f"--data: {path} is not text (it holds NUL bytes: a binary file?)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--data: {path} is not UTF-8 text (byte {exc.start}); convert it, e.g. "
+                         f"iconv -f latin1 -t utf-8") from None
 
 
 def _paragraphs(text: str) -> list[str]:

@@ -15,19 +15,30 @@ __all__ = ["ImageTask"]
 
 
 class ImageTask:
-    """This rank's view of an image dataset for a model: deterministic batches, cross-entropy, test accuracy."""
+    """This rank's view of an image dataset for a model: deterministic batches, cross-entropy, test accuracy.
+
+    Every rank takes the same number of batches per epoch, ``steps_per_epoch`` = the training images //
+    (ranks x batch size): a function of the whole dataset, the same on every rank by construction (the
+    training loop still agrees it). Uneven shards (a Dirichlet split, or N not divisible by the ranks) are
+    met as ``DistributedSampler`` meets them: a rank whose shard holds more images than an epoch takes
+    leaves the rest (each epoch draws a fresh order, so all of it is seen over epochs); a rank whose shard
+    holds fewer goes on into a fresh permutation of it (its images repeat within the epoch).
+    """
 
     def __init__(self, model: torch.nn.Module, data: ImageData, *, rank: int, size: int, batch_size: int,
                  seed: int, dirichlet_alpha: float = 0.0, augment_images: bool = True, eval_limit: int = 0):
-        if batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
+        if isinstance(eval_limit, bool) or not isinstance(eval_limit, int) or eval_limit < 0:
+            raise ValueError(f"--eval-limit must be 0 (the whole test set) or a positive number of images, "
+                             f"got {eval_limit}")
         self.model, self.data = model, data
         self.rank, self.batch_size, self.seed, self.augment = rank, batch_size, seed, augment_images
         self.indices = shard_indices(data.y_train, rank, size, seed, dirichlet_alpha)
-        if len(self.indices) < batch_size:
-            raise ValueError(
-                f"--batch-size {batch_size} is larger than rank {rank}'s shard of {len(self.indices)} images")
-        self.steps_per_epoch = len(self.indices) // batch_size
+        self.steps_per_epoch = len(data.y_train) // (size * batch_size)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"--batch-size {batch_size} on {size} ranks needs {batch_size * size} training images "
+                             f"per step; {data.name} has {len(data.y_train)}: lower --batch-size")
         limit = eval_limit if eval_limit > 0 else len(data.y_test)
         self.x_test = data.normalise(data.x_test[:limit])
         self.y_test = data.y_test[:limit]
@@ -43,9 +54,18 @@ class ImageTask:
             value = value * 1_000_003 + k
         return torch.Generator().manual_seed(value % (2**63))
 
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """This rank's image indices for ``epoch``, at least ``steps_per_epoch * batch_size`` of them: a seeded
+        permutation of the shard, followed by further ones while the shard is smaller than the epoch."""
+        need = self.steps_per_epoch * self.batch_size
+        parts = [torch.randperm(len(self.indices), generator=self._generator(epoch))]
+        while sum(len(p) for p in parts) < need:
+            parts.append(torch.randperm(len(self.indices), generator=self._generator(epoch, -1, len(parts))))
+        return self.indices[torch.cat(parts)]
+
     def train_batches(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Batches ``start``, ``start + 1``, … of ``epoch`` (a pure function of seed, rank, epoch, index)."""
-        order = self.indices[torch.randperm(len(self.indices), generator=self._generator(epoch))]
+        order = self.epoch_order(epoch)
         for b in range(start, self.steps_per_epoch):
             idx = to_device(order[b * self.batch_size:(b + 1) * self.batch_size], self.data.x_train.device)
             x = self.data.x_train[idx]

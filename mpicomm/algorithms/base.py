@@ -123,6 +123,14 @@ class Algorithm(abc.ABC):
             self.comm.ledger.reset()
 
     @classmethod
+    def check_communicator(cls, config: AlgorithmConfig, comm: Communicator) -> None:
+        """Raise ``ValueError`` if ``config`` cannot run on ``comm``'s topology (no collective: every rank checks).
+
+        ``make_algorithm`` calls this before anything is built, so that a topology the method cannot use
+        is one agreed error rather than one traceback per rank. Nothing to check here.
+        """
+
+    @classmethod
     def check_takes_optimizer(cls) -> None:
         """Raise ``ValueError`` naming this algorithm and what it accepts unless it takes a user optimizer."""
         if not cls.takes_optimizer:

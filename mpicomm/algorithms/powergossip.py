@@ -69,13 +69,19 @@ class PowerGossip(PeriodicGossip):
     name = "powergossip"
     config_class = PowerGossipConfig
 
-    def __init__(self, model, comm, config=None):
-        super().__init__(model, comm, config)
-        n, schedule = comm.size, comm.schedule
+    @classmethod
+    def check_communicator(cls, config, comm) -> None:
+        """The edges' shared Q need a symmetric topology at every step (every edge used both ways)."""
+        schedule = comm.schedule
         for k in range(schedule.period):
             if not schedule.at(k).is_symmetric():
                 raise ValueError(f"powergossip needs a symmetric topology (every edge used both ways); "
                                  f"{schedule.at(k)!r} at step {k} is not")
+
+    def __init__(self, model, comm, config=None):
+        self.check_communicator(config, comm)
+        super().__init__(model, comm, config)
+        n, schedule = comm.size, comm.schedule
         self.layout = LowRankLayout(self.flat, self.config.rank, self.config.min_compression_rate)
         neighbours = sorted({j for k in range(schedule.period) for j in schedule.at(k).in_neighbors(comm.rank)})
         self.q: dict[int, torch.Tensor] = {}  # neighbour -> Q of the edge, shared with that neighbour

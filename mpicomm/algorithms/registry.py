@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from ..comm import raise_together
+from ..errors import agreed_of
 from .base import Algorithm
 from .kernel_warmup import prepare_kernels
 
@@ -43,11 +44,19 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
         if unknown:
             raise ValueError(f"{name}: unknown option(s) {unknown}; valid options are {sorted(fields)}")
         config = cls.config_class(**options)
+        cls.check_communicator(config, comm)
     except (ValueError, TypeError) as exc:
         error = exc
-    raise_together(comm.comm, error)
+    raise_together(comm, error)
     prepare_kernels(comm.comm, next(model.parameters(), torch.empty(0)).device)
-    algo = cls(model, comm, config)
+    algo = None
+    try:
+        algo = cls(model, comm, config)
+    except (ValueError, TypeError) as exc:
+        if agreed_of(exc) is not None:
+            raise  # already raised on every rank alike
+        error = exc
+    raise_together(comm, error)  # a check inside the constructor that every rank reached
     if optimizer is not None:
         algo.use_optimizer(optimizer)
     return algo

@@ -28,6 +28,7 @@ import errno
 import gc
 import importlib.metadata
 import io
+import json
 import os
 import platform
 import re
@@ -46,8 +47,8 @@ from ..errors import mark_agreed
 from .model_record import model_record
 from .tree import LIBVER, CheckpointError, link_name, read_tree, write_tree
 
-__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "read_index", "read_rank_entry", "run_meta",
-           "save_checkpoint"]
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "optimizer_settings", "read_index",
+           "read_rank_entry", "run_meta", "save_checkpoint"]
 
 INDEX = "checkpoint.h5"
 LATEST = "latest"
@@ -70,12 +71,29 @@ def _rank_group(rank: int) -> str:
     return f"/ranks/{rank:05d}"
 
 
+class _Agreement:
+    """A Communicator's rank, size and guarded ``allgather_object``, under the names mpi4py uses."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's spelling
+        return self._comm.rank
+
+    def Get_size(self) -> int:  # noqa: N802 - mpi4py's spelling
+        return self._comm.size
+
+    def allgather(self, obj):
+        return self._comm.allgather_object(obj, "the checkpoint's agreement")
+
+
 def _raw(comm):
-    """The mpi4py-like communicator behind ``comm`` (a Communicator's ``.comm``, or ``comm`` itself)."""
-    raw = getattr(comm, "comm", comm)
-    if not all(hasattr(raw, a) for a in ("Get_rank", "Get_size", "allgather")):
+    """What the store gathers with: a Communicator's guarded control plane, or an mpi4py communicator."""
+    if hasattr(comm, "allgather_object"):
+        return _Agreement(comm)
+    if not all(hasattr(comm, a) for a in ("Get_rank", "Get_size", "allgather")):
         raise TypeError(f"comm must be a Communicator or an mpi4py communicator, got {type(comm).__name__}")
-    return raw
+    return comm
 
 
 def _error_class(error: BaseException) -> type:
@@ -135,9 +153,20 @@ def run_meta(comm, algorithm=None) -> dict:
         out["topology"] = {"name": schedule.name, "W": mats[0] if len(mats) == 1 else np.stack(mats)}
     if algorithm is not None:
         out["algorithm"] = {"name": algorithm.name, "config": dataclasses.asdict(algorithm.config)}
+        out["optimizer"] = optimizer_settings(getattr(algorithm, "optimizer", None))
         out["model_signature"] = repr(algorithm.flat.signature())
         out["model"] = model_record(algorithm.model)
     return out
+
+
+def optimizer_settings(optimizer) -> str:
+    """JSON of what an optimizer's steps depend on besides its state: its type and each parameter group's
+    options (the learning rate aside: the run's schedule sets it). ``"{}"`` without an optimizer."""
+    if optimizer is None:
+        return "{}"
+    groups = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+              for g in optimizer.param_groups]
+    return json.dumps({"type": type(optimizer).__name__, "groups": groups}, sort_keys=True, default=repr)
 
 
 # ---------------------------------------------------------------------------------------------- listing

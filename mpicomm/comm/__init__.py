@@ -4,6 +4,7 @@ from .buffers import BufferRouter, query_cuda_aware
 from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
 from .local import local_rank, local_size, node_layout
+from .world import world
 
 __all__ = [
     "BufferRouter",
@@ -15,4 +16,5 @@ __all__ = [
     "node_layout",
     "query_cuda_aware",
     "raise_together",
+    "world",
 ]

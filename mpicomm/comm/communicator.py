@@ -24,20 +24,26 @@ from mpi4py import MPI
 from ..ledger import ANY, Ledger
 from ..net import CostModel, NetClock, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, mpi_typed, query_cuda_aware
+from .guard import WaitGuard, process_guard
 
 __all__ = ["Communicator", "Handle"]
 
 _REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
+def _abort_world(code: int) -> None:
+    MPI.COMM_WORLD.Abort(code)
+
+
 class Handle:
     """A pending non-blocking operation; ``wait()`` completes it and returns its result."""
 
-    def __init__(self, request, finish, clock: NetClock, deadline: float):
+    def __init__(self, request, finish, clock: NetClock, deadline: float, guard: WaitGuard, op: str):
         self._request = request
         self._finish = finish
         self._clock = clock
         self._deadline = deadline
+        self._guard, self._op = guard, op
         self._result = None
         self._done = False
 
@@ -48,7 +54,8 @@ class Handle:
     def wait(self):
         """Block until complete; return the received tensor (idempotent)."""
         if not self._done:
-            self._clock.complete(self._deadline, self._request.Wait)
+            with self._guard.waiting(f"the wait for {self._op}"):
+                self._clock.complete(self._deadline, self._request.Wait)
             self._result = self._finish()
             self._done = True
         return self._result
@@ -66,6 +73,9 @@ class Communicator:
     stage: ``"auto"``, ``"always"`` or ``"never"``; see :class:`~mpicomm.comm.buffers.BufferRouter`.
     net: a network setting to model on top of the real transfers: a ``--net`` string such as
         ``"1gbit,100us"``, a :class:`~mpicomm.net.NetSpec`, or None (no model; calls are still timed).
+
+    Every blocking call runs under the process's :class:`~mpicomm.comm.guard.WaitGuard` (``guard``): a
+    wait that outlasts its hang timeout ends the job with one line instead of hanging it.
     """
 
     def __init__(self, comm, topology, *, ledger: Ledger | None = None, cuda_aware: bool | None = None,
@@ -84,6 +94,8 @@ class Communicator:
         self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
         self.net = net if isinstance(net, NetSpec) else parse_net(net)
         self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
+        self.guard = process_guard(_abort_world)
+        self.guard.rank = MPI.COMM_WORLD.Get_rank()
         self._recv: dict[tuple, torch.Tensor] = {}
         self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
         self._graphs: list = []
@@ -171,13 +183,18 @@ class Communicator:
             return out
 
         if blocking:
-            self.clock.run(cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), rspec))
+            self._run("neighbor_allgather", cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), rspec))
             return finish()
-        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), rspec), finish, cost)
+        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), rspec), finish, cost, "ineighbor_allgather")
 
-    def _handle(self, request, finish, cost) -> Handle:
+    def _handle(self, request, finish, cost, op: str) -> Handle:
         """A :class:`Handle` whose modelled transfer is queued on the link now."""
-        return Handle(request, finish, self.clock, self.clock.post(cost))
+        return Handle(request, finish, self.clock, self.clock.post(cost), self.guard, op)
+
+    def _run(self, op: str, cost, call):
+        """A blocking MPI call: timed and charged by the clock, watched by the hang guard."""
+        with self.guard.waiting(op):
+            return self.clock.run(cost, call)
 
     def neighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int],
                            step: int = 0) -> list[torch.Tensor]:
@@ -203,8 +220,8 @@ class Communicator:
         rbuf, land = self.router.inbound("neighbor_alltoallv", packed_recv)
         size = like.element_size()
         sdispl, rdispl = _displacements(send_counts), _displacements(recv_numels)
-        self.clock.run(
-            lambda model: model.neighbor(sum(send_counts) * size, sum(recv_numels) * size),
+        self._run(
+            "neighbor_alltoallv", lambda model: model.neighbor(sum(send_counts) * size, sum(recv_numels) * size),
             lambda: graph.Neighbor_alltoallv(
                 [as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
                 [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE],
@@ -244,9 +261,10 @@ class Communicator:
             return t
 
         if blocking:
-            self.clock.run(cost, lambda: self.comm.Allreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]))
+            self._run("allreduce", cost, lambda: self.comm.Allreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]))
             return finish()
-        return self._handle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]), finish, cost)
+        return self._handle(self.comm.Iallreduce(MPI.IN_PLACE, mpi_typed(buf), _REDUCE_OPS[op]), finish, cost,
+                            "iallreduce")
 
     def allgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather ``send`` from every rank; returns ``(size, *send.shape)`` in rank order."""
@@ -276,9 +294,9 @@ class Communicator:
             return out
 
         if blocking:
-            self.clock.run(cost, lambda: self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf)))
+            self._run("allgather", cost, lambda: self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf)))
             return finish()
-        return self._handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
+        return self._handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost, "iallgather")
 
     def alltoall(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Send chunk k of ``send`` (split evenly along dim 0) to rank k; returns the chunks received, in rank order."""
@@ -314,9 +332,9 @@ class Communicator:
             return out
 
         if blocking:
-            self.clock.run(cost, lambda: self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf)))
+            self._run("alltoall", cost, lambda: self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf)))
             return finish()
-        return self._handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish, cost)
+        return self._handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish, cost, "ialltoall")
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
@@ -328,13 +346,27 @@ class Communicator:
             self.ledger.record("bcast", nbytes, {p: nbytes for p in range(self.size) if p != root}, {})
         else:
             self.ledger.record("bcast", 0, {}, {root: nbytes})
-        self.clock.run(lambda model: model.bcast(nbytes, self.size), lambda: self.comm.Bcast(as_bytes(buf), root=root))
+        self._run("bcast", lambda model: model.bcast(nbytes, self.size),
+                  lambda: self.comm.Bcast(as_bytes(buf), root=root))
         land()
         return t
 
     def barrier(self) -> None:
         """Block until every rank arrives."""
-        self.clock.run(lambda model: model.barrier(self.size), self.comm.Barrier)
+        self._run("barrier", lambda model: model.barrier(self.size), self.comm.Barrier)
+
+    # ------------------------------------------------------------------ the control plane
+    # Small Python objects the ranks agree on (stop, divergence, errors, log lines): not booked in the
+    # Ledger nor charged by the network model (they are not the algorithm's traffic), but watched.
+    def allgather_object(self, obj, what: str = "allgather"):
+        """Collective: ``obj`` from every rank, in rank order (pickled; for small control messages)."""
+        with self.guard.waiting(what):
+            return self.comm.allgather(obj)
+
+    def bcast_object(self, obj, root: int = 0, what: str = "bcast"):
+        """Collective: ``root``'s ``obj`` on every rank (pickled; for small control messages)."""
+        with self.guard.waiting(what):
+            return self.comm.bcast(obj, root=root)
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:

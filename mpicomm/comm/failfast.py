@@ -64,9 +64,11 @@ def abort_on_exception(comm=None, exit_code: int = 1):
 def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] = ValueError) -> None:
     """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank.
 
+    ``comm``: a :class:`~mpicomm.comm.Communicator` (its guarded control plane) or an mpi4py communicator.
     The raised error is marked as agreed (:func:`mpicomm.errors.agreed_of`): an app prints it once.
     """
-    messages = comm.allgather(None if error is None else (type(error).__name__, str(error)))
+    gather = getattr(comm, "allgather_object", None) or comm.allgather
+    messages = gather(None if error is None else (type(error).__name__, str(error)))
     failed = [rank for rank, m in enumerate(messages) if m is not None]
     if failed:
         name, text = messages[failed[0]]

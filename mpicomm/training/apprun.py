@@ -6,9 +6,11 @@ Exit status (the same on every rank):
 * 2: the input was refused before training: a bad argument or option value, unusable data, a
   ``--resume`` checkpoint that is missing, damaged or from another world size/algorithm/model;
 * 3: training stopped because it cannot go on: the loss or parameters became non-finite, or a
-  checkpoint could not be written (disk full); the last good checkpoint is named;
+  checkpoint or the metrics could not be written (disk full); the last good checkpoint is named;
 * 1: an unexpected exception on some rank: the whole job is aborted, with that rank's traceback;
-* 128 + N: stopped by signal N outside a requeueing job, after committing a checkpoint.
+* 4: a rank waited longer than ``--hang-timeout`` in a collective (one line names it and the step);
+* 128 + N: stopped by signal N outside a requeueing job, after committing a checkpoint (or, when the
+  signal found a rank blocked in a collective it could not leave, at once and without one).
 
 Cases 2 and 3 are agreed by every rank, so rank 0 alone prints the one-line reason and no rank aborts.
 A run stopped by SIGUSR1/SIGTERM commits a checkpoint first; then, inside a SLURM job that asked for
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..comm import abort_on_exception
+from ..comm import abort_on_exception, world
 from ..errors import TrainingStopped, agreed_of
 from .arguments import parse_app_args, setup_run
 from .console import Console
@@ -70,30 +72,37 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
     with console.quiet_unless_rank0():
         args = parse_app_args(parser, argv)
     console.route_warnings()
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
+    mpi_comm = world()
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     console.rank = rank
     console.info(f"{size} rank(s): {preparing} …")
-    try:
-        task, algo, cfg = setup_run(args, world, lambda: build_task(args, rank, size))
-    except (ValueError, TypeError) as exc:
-        code = _refused(console, exc)
-        if code is None:
-            raise
-        return code
-    console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
-                 f"{algo.comm.schedule.name} topology, {algo.flat.numel:,} parameters")
-    with abort_on_exception(world):
+    with abort_on_exception(mpi_comm):
         try:
-            summary = run_training(task, algo, cfg, console=console, run_info={
-                "app": name, "argv": sys.argv[1:] if argv is None else list(argv)})
-        except Exception as exc:
+            task, algo, cfg, lock = setup_run(args, mpi_comm, lambda: build_task(args, rank, size), console)
+        except (ValueError, TypeError) as exc:
             code = _refused(console, exc)
             if code is None:
                 raise
             return code
+        try:
+            return _train(name, console, task, algo, cfg, argv, headline)
+        finally:
+            lock.release()
+
+
+def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str]) -> int:
+    """Train, print the final line, and return the exit status (see the module docstring)."""
+    size = algo.comm.size
+    console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
+                 f"{algo.comm.schedule.name} topology, {algo.flat.numel:,} parameters")
+    try:
+        summary = run_training(task, algo, cfg, console=console, run_info={
+            "app": name, "argv": sys.argv[1:] if argv is None else list(argv)})
+    except Exception as exc:
+        code = _refused(console, exc)
+        if code is None:
+            raise
+        return code
     key, label = headline
     if key and key in summary:
         console.info(f"{label}: {100 * summary[key]:.2f} %  |  steps {summary['step']}/{summary['total_steps']}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 
 import numpy as np
@@ -19,12 +20,14 @@ import torch
 from .. import topology
 from ..algorithms import ALGORITHMS, make_algorithm
 from ..comm import Communicator, raise_together
+from ..comm.guard import DEFAULT_HANG_TIMEOUT_S
 from ..net import NAMED, parse_net
 from .device import place, place_task
-from .loop import TrainConfig
+from .loop import TrainConfig, agree_steps_per_epoch
 from .options import add_algorithm_options, config_kwargs
 from .param_groups import app_optimizer
 from .precision import PRECISIONS
+from .rundir import RunLock, claim_out_dir
 from .tensorboard import require_tensorboard
 
 __all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setup_run", "train_config"]
@@ -32,7 +35,8 @@ __all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setu
 
 def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
     """A parser with the options shared by every app (the app adds its own data/model options)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
     p.add_argument("--net", default="", help="model this network on top of the real transfers: BANDWIDTH,LATENCY "
@@ -55,6 +59,12 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     p.add_argument("--resume", default="", help="'latest' (in --out-dir) or a checkpoint path")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the metrics and checkpoints of an earlier run in --out-dir and start over "
+                        "(without it, a fresh run into a directory holding a run is refused)")
+    p.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end the job with one line when a rank waits this long in a collective (0: never; "
+                        f"default: MPICOMM_HANG_TIMEOUT, else {DEFAULT_HANG_TIMEOUT_S:g})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
@@ -82,7 +92,7 @@ def fractions(text: str) -> tuple[float, ...]:
 
 def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parse twice: first to learn ``--algorithm``, then with that algorithm's options added."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--algorithm", default=parser.get_default("algorithm"))
     known, _ = pre.parse_known_args(argv)
     add_algorithm_options(parser, known.algorithm)
@@ -96,9 +106,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.lr_warmup_steps, milestones=args.milestones, lr_gamma=args.lr_gamma,
         log_every=args.log_every, eval_every=args.eval_every, eval_bn_batches=args.eval_bn_batches,
         out_dir=args.out_dir, save_every=args.save_every,
-        keep_last=args.keep_last, resume=args.resume, progress=not args.no_progress,
+        keep_last=args.keep_last, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
-        accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
+        accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, hang_timeout=args.hang_timeout,
     )
 
 
@@ -109,13 +119,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_run(args: argparse.Namespace, mpi_comm, build):
-    """Collective: ``build()`` -> (task, model); then the topology, communicator, algorithm and loop config.
+def setup_run(args: argparse.Namespace, mpi_comm, build, console=None):
+    """Collective: the topology and communicator, ``--out-dir`` claimed, ``build()`` -> task, then the algorithm.
 
-    Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value) becomes the
-    same ``ValueError`` on every rank, so the app can print it once per rank and exit non-zero, no hang.
+    Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value, an output
+    directory in use) becomes the same ``ValueError`` on every rank, so the app can print it once and
+    exit non-zero, no hang. Returns ``(task, algo, cfg, lock)``: ``lock`` holds ``--out-dir`` until released.
     """
-    error, task, cfg, topo, net = None, None, None, None, None
+    error, cfg, topo, net = None, None, None, None
     device = place(args.device, mpi_comm)  # before anything is built: a device error trains nothing
     seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
@@ -124,8 +135,6 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
             require_tensorboard()  # on every rank, so that a missing package is one agreed refusal
         topo = topology.build(args.topology, mpi_comm.Get_size())
         net = parse_net(args.net)
-        task = build()
-        place_task(task, device)
         if cfg.precision == "fp16" and getattr(args, "overlap", False):
             raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped exchange "
                              "sends gradients before the loss scale's overflow check; use bf16 or no --overlap")
@@ -133,22 +142,66 @@ def setup_run(args: argparse.Namespace, mpi_comm, build):
         error = exc
     raise_together(mpi_comm, error)
     comm = Communicator(mpi_comm, topo, net=net)
+    lock = claim_out_dir(comm, cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite) if cfg.out_dir \
+        else RunLock(None)
+    try:
+        return (*_build(args, comm, cfg, device, build, console), lock)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _build(args, comm, cfg, device, build, console):
+    """The rest of :func:`setup_run`, once the run owns its output directory: (task, algo, cfg)."""
+    error, task = None, None
+    try:
+        if cfg.tensorboard and comm.rank == 0:
+            _check_writable(cfg.tensorboard, "--tensorboard")
+        task = build()
+        place_task(task, device)
+    except (ValueError, TypeError, OSError) as exc:
+        error = exc
+    raise_together(comm, error)
+    steps_per_epoch = agree_steps_per_epoch(task, comm, console)
+    raise_together(comm, _error_of(cfg.check_total, steps_per_epoch))
     options = config_kwargs(args, args.algorithm)
     fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
     if "total_steps" in fields and options.get("total_steps") is None:
-        options["total_steps"] = cfg.total_steps(task.steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction
+        options["total_steps"] = cfg.total_steps(steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction
     optimizer = None
     if getattr(args, "no_decay_bias_norm", False):
         try:
             optimizer = app_optimizer(args.algorithm, task.model, options)
         except (ValueError, TypeError) as exc:
             error = exc
-        raise_together(mpi_comm, error)
+        raise_together(comm, error)
     algo = make_algorithm(args.algorithm, task.model, comm, optimizer=optimizer, **options)
     try:
         algo.accumulate(cfg.accumulate)
         algo.clip_grad_norm_(cfg.clip_grad_norm or None)
     except ValueError as exc:
         error = exc
-    raise_together(mpi_comm, error)
+    raise_together(comm, error)
     return task, algo, cfg
+
+
+def _error_of(check, *args) -> Exception | None:
+    """The ``ValueError`` ``check(*args)`` raises, or None."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        return exc
+    return None
+
+
+def _check_writable(directory: str, option: str) -> None:
+    """Raise ``ValueError`` naming ``option`` unless ``directory`` is (or can be made) a writable directory."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{option} {directory} is a file, not a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"{option} {directory} cannot be written: {exc.strerror or exc}") from None

@@ -19,9 +19,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 
-import numpy as np
 import torch
-from mpi4py import MPI
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["norm_layers", "recomputed_statistics"]
@@ -33,10 +31,11 @@ def norm_layers(model: torch.nn.Module) -> list[_BatchNorm]:
 
 
 @contextmanager
-def recomputed_statistics(model: torch.nn.Module, task, batches: int, mpi_comm):
+def recomputed_statistics(model: torch.nn.Module, task, batches: int, comm):
     """Collective: within the block ``model``'s BatchNorm statistics are those of its current weights,
-    from the first ``batches`` training batches of every rank, averaged over the ranks (no-op when the
-    model has no such layer or ``batches`` is 0). Restored on exit; ``model`` is left in eval mode inside."""
+    from the first ``batches`` training batches of every rank, averaged over the ranks of the
+    :class:`~mpicomm.comm.Communicator` ``comm`` (None: this process's batches only). A no-op when the
+    model has no such layer or ``batches`` is 0. Restored on exit; ``model`` is left in eval mode inside."""
     layers = norm_layers(model) if batches > 0 else []
     if not layers:
         yield
@@ -53,7 +52,8 @@ def recomputed_statistics(model: torch.nn.Module, task, batches: int, mpi_comm):
             model.train()
             for batch in itertools.islice(task.train_batches(0), batches):
                 task.loss(model, batch)
-            _average(layers, mpi_comm)
+            if comm is not None:
+                _average(layers, comm)
         model.eval()
         yield
     finally:
@@ -65,13 +65,12 @@ def recomputed_statistics(model: torch.nn.Module, task, batches: int, mpi_comm):
         model.train(was_training)
 
 
-def _average(layers: list[_BatchNorm], mpi_comm) -> None:
-    """Replace every layer's running mean and variance by their mean over the ranks (one allreduce)."""
+def _average(layers: list[_BatchNorm], comm) -> None:
+    """Replace every layer's running mean and variance by their mean over the ranks (one float64 allreduce)."""
     tensors = [t for m in layers for t in (m.running_mean, m.running_var)]
-    flat = np.concatenate([t.detach().double().cpu().numpy().ravel() for t in tensors])
-    mpi_comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-    flat /= mpi_comm.Get_size()
+    flat = torch.cat([t.detach().double().cpu().ravel() for t in tensors])
+    comm.allreduce(flat).div_(comm.size)
     at = 0
     for t in tensors:
-        t.copy_(torch.from_numpy(flat[at:at + t.numel()]).view_as(t))
+        t.copy_(flat[at:at + t.numel()].view_as(t))
         at += t.numel()

@@ -40,9 +40,10 @@ def local_problem(loss: float, params: torch.Tensor | None = None) -> str:
     return ""
 
 
-def agree(mpi_comm, signum: int | None, problem: str) -> Verdict:
-    """Collective: the highest stop signal of any rank and the first rank's divergence, on every rank."""
-    reports = mpi_comm.allgather((signum or 0, problem))
+def agree(comm, signum: int | None, problem: str) -> Verdict:
+    """Collective over the Communicator ``comm``: the highest stop signal of any rank and the first rank's
+    problem (a divergence, a metrics file that cannot be written), on every rank."""
+    reports = comm.allgather_object((signum or 0, problem), "the step's agreement")
     signal = max(s for s, _ in reports)
     for rank, (_, text) in enumerate(reports):
         if text:

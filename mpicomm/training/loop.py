@@ -13,12 +13,17 @@ whose gradients the algorithm sums (:meth:`~mpicomm.algorithms.base.Algorithm.ac
 loss is the mean over the micro-batches, and checkpoints fall between steps only. ``clip_grad_norm``:
 :meth:`~mpicomm.algorithms.base.Algorithm.clip_grad_norm_`.
 
-After each step the ranks agree, in one small collective, whether to stop (a signal: checkpoint and
-exit) or whether the run diverged (a non-finite loss or parameter: stop without saving); see
-:mod:`.health`. Errors every rank shares end the run with one message (:mod:`mpicomm.errors`).
+Every quantity that decides a collective is agreed, never derived per rank: the batches per epoch
+(:func:`agree_steps_per_epoch`, the smallest any rank's task offers; every rank takes exactly that many
+from each epoch), hence the total, the evaluation points and the end. After each step the ranks agree,
+in one small collective, whether to stop (a signal: checkpoint and exit) or whether the run cannot go
+on (a non-finite loss or parameter, a metrics file that cannot be written: stop without saving); see
+:mod:`.health`. Errors every rank shares end the run with one message (:mod:`mpicomm.errors`). Every
+wait runs under the Communicator's hang guard (``hang_timeout`` in seconds, 0: never; None: the guard's
+own, ``MPICOMM_HANG_TIMEOUT`` or 600 s; :mod:`mpicomm.comm.guard`).
 
-Monitoring collectives (loss averages for the log, that agreement) go through the raw communicator and
-are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation (which averages
+Monitoring collectives (loss averages for the log, that agreement) go through the Communicator's
+control plane and are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation (which averages
 the models through the algorithm's communicator) runs unmetered: neither booked in the Ledger nor
 charged by a modelled network (``--net``). Each step's time is split into compute, comm and wait
 (:mod:`.reporting`). A checkpoint carries the run's counters, so a resumed run continues them.
@@ -30,6 +35,7 @@ or checkpoints): the x-axis of time-to-accuracy. The end event adds rank 0's clo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import signal
 import time
 from collections.abc import Iterator
@@ -41,6 +47,7 @@ import torch
 from ..checkpoint import save_checkpoint
 from ..checkpoint.rng import capture_rng_state
 from ..checkpoint.store import run_meta
+from ..comm import raise_together
 from ..errors import TrainingStopped, agreed_of, mark_agreed
 from .console import Console
 from .device import to_device
@@ -49,15 +56,20 @@ from .metrics import MetricsWriter
 from .precision import PRECISIONS, Precision
 from .reporting import Progress, account, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
+from .rundir import RunLock, claim_out_dir
 from .schedule import LRSchedule
 from .stop import StopFlag
 from .tensorboard import ScalarMirror
 
-__all__ = ["Task", "TrainConfig", "run_training"]
+__all__ = ["Task", "TrainConfig", "agree_steps_per_epoch", "run_training"]
 
 
 class Task(Protocol):
-    """What an app provides. ``train_batches(epoch, start)`` must be deterministic given (seed, rank, epoch)."""
+    """What an app provides. ``train_batches(epoch, start)`` must be deterministic given (seed, rank, epoch).
+
+    ``steps_per_epoch``: the batches one epoch offers on this rank; :func:`agree_steps_per_epoch` sets it to
+    the number every rank takes (the smallest any rank offers), and ``train_batches`` must yield at least that.
+    """
 
     model: torch.nn.Module
     steps_per_epoch: int
@@ -90,6 +102,7 @@ class TrainConfig:
     save_every: int = 0
     keep_last: int = 2
     resume: str = ""
+    overwrite: bool = False
     progress: bool = True
     handle_signals: bool = True
     stop_at_step: int = 0
@@ -97,6 +110,7 @@ class TrainConfig:
     tensorboard: str = ""
     accumulate: int = 1
     clip_grad_norm: float = 0.0
+    hang_timeout: float | None = None
 
     def __post_init__(self):
         for name in ("epochs", "log_every", "accumulate"):
@@ -111,11 +125,15 @@ class TrainConfig:
             raise ValueError(f"--precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.clip_grad_norm >= 0:
             raise ValueError(f"--clip-grad-norm must be >= 0 (0: no clipping), got {self.clip_grad_norm}")
+        if self.hang_timeout is not None and not self.hang_timeout >= 0:
+            raise ValueError(f"--hang-timeout must be a number of seconds >= 0 (0: never), got {self.hang_timeout}")
         if self.accumulate > 1 and self.precision == "fp16":
             raise ValueError("--accumulate cannot be combined with --precision fp16 (the loss scale's overflow "
                              "check is per backward pass); use bf16")
-        if (self.save_every or self.resume) and not self.out_dir:
-            raise ValueError("--save-every/--resume need --out-dir (where checkpoints live)")
+        if (self.save_every or self.resume or self.overwrite) and not self.out_dir:
+            raise ValueError("--save-every/--resume/--overwrite need --out-dir (where checkpoints live)")
+        if self.overwrite and self.resume:
+            raise ValueError("--overwrite deletes the run in --out-dir and --resume continues it: give one of them")
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Steps (updates) of the whole run: ``epochs * steps_per_epoch // accumulate``, capped by ``max_steps``.
@@ -125,6 +143,30 @@ class TrainConfig:
         """
         total = self.epochs * steps_per_epoch // self.accumulate
         return min(total, self.max_steps) if self.max_steps else total
+
+    def check_total(self, steps_per_epoch: int) -> None:
+        """Raise ``ValueError`` naming the options when the run would have no update at all."""
+        if self.total_steps(steps_per_epoch) < 1:
+            raise ValueError(f"--accumulate {self.accumulate} needs more batches than the run has: --epochs "
+                             f"{self.epochs} x {steps_per_epoch} batches per epoch make "
+                             f"{self.epochs * steps_per_epoch}; lower --accumulate or raise --epochs")
+
+
+def agree_steps_per_epoch(task: Task, comm, console: Console | None = None) -> int:
+    """Collective: set ``task.steps_per_epoch`` to the batches per epoch every rank takes, and return it.
+
+    That is the smallest count any rank's task offers (a rank whose shard holds more leaves the rest of
+    it for later epochs, whose order differs); a task that offers none is refused on every rank alike.
+    """
+    counts = comm.allgather_object(int(task.steps_per_epoch), "the agreement on batches per epoch")
+    steps = min(counts)
+    if steps < 1:
+        raise_together(comm, ValueError(f"rank {counts.index(steps)}'s data give no batch per epoch "
+                                        f"(steps_per_epoch {steps}); lower --batch-size or give more data"))
+    if console is not None and max(counts) != steps:
+        console.warning(f"the ranks' data give {steps} to {max(counts)} batches per epoch; every rank takes {steps}")
+    task.steps_per_epoch = steps
+    return steps
 
 
 def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None,
@@ -136,7 +178,8 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     every rank shares (:func:`mpicomm.errors.agreed_of`): an unusable ``--resume`` checkpoint
     (``CheckpointError``), a divergence or a checkpoint that could not be written (``TrainingStopped``).
     """
-    console = console or Console("train", algo.comm.comm.Get_rank())
+    console = console or Console("train", algo.comm.rank)
+    agree_steps_per_epoch(task, algo.comm, console)
     run = _Run(task, algo, cfg, console)
     try:
         run.begin(run_info or {})
@@ -157,8 +200,11 @@ class _Run:
 
     def __init__(self, task: Task, algo, cfg: TrainConfig, console: Console):
         self.task, self.algo, self.cfg, self.console = task, algo, cfg, console
-        self.mpi_comm = algo.comm.comm
-        self.rank, self.size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
+        self.comm, self.guard = algo.comm, algo.comm.guard
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self.previous_timeout = self.guard.timeout_s
+        if cfg.hang_timeout is not None:
+            self.guard.timeout_s = cfg.hang_timeout
         self.total = cfg.total_steps(task.steps_per_epoch)
         algo.accumulate(cfg.accumulate)
         algo.clip_grad_norm_(cfg.clip_grad_norm or None)
@@ -173,18 +219,25 @@ class _Run:
         self.metrics = MetricsWriter(None, enabled=False)
         self.progress = Progress(False, 0, 0)
         self.stop = StopFlag(install=False)
+        self.lock = RunLock(None)
+        self.signalled = False
         self.t_run = time.perf_counter()
 
     def begin(self, run_info: dict) -> None:
-        """Collective: resume if asked, open the metrics file, install the signal handlers, start the clock."""
+        """Collective: claim ``--out-dir``, resume if asked, open the metrics file, install the signal handlers."""
+        if self.cfg.out_dir:
+            self.lock = claim_out_dir(self.comm, self.cfg.out_dir, resume=self.cfg.resume,
+                                      overwrite=self.cfg.overwrite)
         resumed = self._resume()
         path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
         mirror = None
         if self.cfg.tensorboard and self.rank == 0:  # past resumed logs are purged as continued() drops them
             mirror = ScalarMirror(self.cfg.tensorboard, purge_step=resumed.step + 1 if resumed else None)
-        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=resumed is not None, mirror=mirror)
+        # A run continuing this directory appends (a restart from step 0 included: its start record
+        # supersedes the earlier attempt's lines, see metrics.continued); a fresh run found it empty.
+        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=bool(self.cfg.resume), mirror=mirror)
         self._write_start(resumed, run_info)
-        self.stop = StopFlag(install=self.cfg.handle_signals)
+        self.stop = StopFlag(install=self.cfg.handle_signals, guard=self.guard)
         self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
         self.t_run = time.perf_counter() - self.wall_offset
 
@@ -197,7 +250,12 @@ class _Run:
             self.console.info(f"--resume latest: no checkpoint in {cfg.out_dir} yet, starting from step 0")
             return None
         expect = {"topology": self.meta["topology"], "algorithm": {"name": self.algo.name}}
-        resumed = restore_run(path, self.algo, expect, self.meta["model_signature"], self.precision)
+        with self.guard.doing("resuming"):
+            resumed = restore_run(path, self.algo, expect, self.meta, self.precision)
+        if resumed.step > self.total:
+            raise_together(self.comm, ValueError(
+                f"the checkpoint {resumed.path} is at step {resumed.step}, beyond this run's {self.total} steps: "
+                "raise --epochs or --max-steps to train on from it"))
         self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
         counters = resumed.counters
         if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
@@ -214,7 +272,8 @@ class _Run:
             self.metrics.write({"event": "resume", "step": self.step, "path": str(resumed.path),
                                 "wall_s": self.wall_offset, "train_s": self.train_s, **algo.comm.ledger.totals()})
         self.metrics.write({"event": "start", "step": self.step, "resumed_from": str(resumed.path) if resumed else "",
-                            "total_steps": self.total, "ranks": self.size, "algorithm": algo.name,
+                            "total_steps": self.total, "steps_per_epoch": self.task.steps_per_epoch,
+                            "ranks": self.size, "algorithm": algo.name,
                             "net": str(algo.comm.net) if algo.comm.net else "", "parameters": algo.flat.numel,
                             "init_traffic": algo.comm.ledger.totals(), "config": dataclasses.asdict(algo.config),
                             "optimizer": algo.optimizer_description(),
@@ -238,8 +297,9 @@ class _Run:
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()
         try:
-            path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
-                                   keep_last=self.cfg.keep_last)
+            with self.guard.doing("saving a checkpoint"):
+                path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
+                                       keep_last=self.cfg.keep_last)
         except Exception as exc:
             mark = agreed_of(exc)
             if mark is None:
@@ -257,6 +317,17 @@ class _Run:
         exc = TrainingStopped(f"{why}; {last}")
         return mark_agreed(exc, str(exc), range(self.size), self.size)
 
+    def _batches(self, epoch: int, start: int):
+        """``(index, batch)`` for batches ``start`` … ``steps_per_epoch - 1`` of ``epoch``: exactly the agreed count."""
+        count = self.task.steps_per_epoch
+        index = start - 1
+        for index, batch in enumerate(itertools.islice(self.task.train_batches(epoch, start), count - start),
+                                      start=start):
+            yield index, batch
+        if index + 1 < count:  # a task that offers fewer batches than it declared: a bug in the task
+            raise RuntimeError(f"the task's train_batches(epoch={epoch}, start={start}) ended after batch {index} "
+                               f"on rank {self.rank}; it declared {count} batches per epoch")
+
     def train(self) -> dict:
         """The loop itself; returns the end summary."""
         algo, cfg, task, total = self.algo, self.cfg, self.task, self.total
@@ -268,11 +339,15 @@ class _Run:
         epoch, start = self.epoch, self.start
         blocked = slept = elapsed = 0.0
         step_loss, crossed_epoch = None, False
+        if self.step == total:  # resumed from the end of the run: report where it ended
+            self.console.info(f"the run had already finished at step {total}; nothing to train")
+            last_eval = self._evaluate()
         while self.step < total and not stopped_by:
-            for index, batch in enumerate(task.train_batches(epoch, start), start=start):
+            for index, batch in self._batches(epoch, start):
                 if not algo.pending_micro_batches:  # the first micro-batch of a step
                     algo.set_lr(self.schedule(self.step))
                     blocked, slept, elapsed, step_loss = clock.blocked_s, clock.slept_s, 0.0, None
+                    self.guard.step = self.step + 1
                 t0 = time.perf_counter()
                 algo.zero_grad()
                 with self.precision.autocast():
@@ -300,23 +375,17 @@ class _Run:
                 signum = self.stop.signum if cfg.handle_signals else None
                 checking = logging or saving or signum or step == cfg.stop_at_step
                 problem = local_problem(float(window["loss"]), algo.flat.data) if checking else ""
-                verdict = agree(self.mpi_comm, signum, problem)
+                verdict = agree(self.comm, signum, problem or self.metrics.problem)
+                if verdict.signal:
+                    self.guard.signal_handled()  # every rank stops after this step: agreed, checkpoint, exit
+                    self.signalled = True
                 if verdict.problem:
-                    self.metrics.write({"event": "diverged", "step": step, "rank": verdict.rank,
-                                        "problem": verdict.problem})
-                    raise self._stopped(f"training diverged by step {step}: on rank {verdict.rank} the "
-                                        f"{verdict.problem} (lr {algo.lr:g}); nothing was saved after it")
+                    self._give_up(verdict, step)
                 if logging:
-                    log_window(self.metrics, self.progress, self.mpi_comm, algo, step, epoch, window, counters,
-                         self.wall())
+                    log_window(self.metrics, self.progress, algo, step, epoch, window, counters, self.wall())
                 if (cfg.eval_every and step % cfg.eval_every == 0) or (crossed_epoch and not cfg.eval_every) \
                         or step == total:
-                    with algo.comm.unmetered():
-                        last_eval = evaluate(task, algo, self.mpi_comm, cfg.eval_bn_batches)
-                    self.metrics.write({"event": "eval", "step": step,
-                                        "epoch": epoch + (index + 1) / task.steps_per_epoch,
-                                        "wall_s": self.wall(), "train_s": self.train_s, **last_eval,
-                                        **algo.comm.ledger.totals()})
+                    last_eval = self._evaluate(epoch + (index + 1) / task.steps_per_epoch)
                 crossed_epoch = False
                 if saving:
                     self.save(position)
@@ -333,6 +402,7 @@ class _Run:
                 if step == total:
                     break
             epoch, start = (epoch + 1, 0) if not stopped_by else (epoch, start)
+        self.guard.step = None
         if self.step == total and not stopped_by and cfg.save_every and self.step % cfg.save_every:
             self.save((epoch, 0))
         algo.close()
@@ -342,10 +412,33 @@ class _Run:
                    "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
                    **{f"net_{k}": v for k, v in clock.totals().items()}, **algo.metrics()}
         self.metrics.write(summary)
+        if self.metrics.problem:
+            self.console.warning(f"{self.metrics.problem}; the run itself finished")
         return summary
 
+    def _evaluate(self, epoch: float | None = None) -> dict[str, float]:
+        """Collective, unmetered: evaluate the averaged model and write the eval record (and its console line)."""
+        with self.algo.comm.unmetered(), self.guard.doing("evaluation"):
+            result = evaluate(self.task, self.algo, self.cfg.eval_bn_batches)
+        record = {"event": "eval", "step": self.step, "wall_s": self.wall(), "train_s": self.train_s, **result,
+                  **self.algo.comm.ledger.totals()}
+        if epoch is not None:
+            record["epoch"] = epoch
+        self.metrics.write(record)
+        return result
+
+    def _give_up(self, verdict, step: int) -> None:
+        """Raise the agreed error of a run that cannot go on (divergence, unwritable metrics)."""
+        if verdict.problem.startswith(MetricsWriter.PROBLEM):
+            raise self._stopped(f"rank {verdict.rank}: {verdict.problem} at step {step}")
+        self.metrics.write({"event": "diverged", "step": step, "rank": verdict.rank, "problem": verdict.problem})
+        raise self._stopped(f"training diverged by step {step}: on rank {verdict.rank} the "
+                            f"{verdict.problem} (lr {self.algo.lr:g}); nothing was saved after it")
+
     def close(self) -> None:
-        """Local clean-up, whatever happened: the bar, the signal handlers, the metrics file."""
+        """Local clean-up, whatever happened: the bar, the signal handlers, the metrics file, the lock."""
+        self.guard.timeout_s = self.previous_timeout
         self.progress.close()
-        self.stop.uninstall()
+        self.stop.uninstall(keep_ignoring=self.signalled or self.stop.signum is not None)
         self.metrics.close()
+        self.lock.release()

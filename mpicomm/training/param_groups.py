@@ -22,12 +22,15 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups of ``model``'s trainable parameters: ``weight_decay`` on the rest, 0 on biases and norm weights.
 
     A parameter belongs to the second group if its name is ``bias`` or its module is a norm layer
-    (:data:`NORMS`, subclasses included, e.g. ``transformers``' LayerNorm). Order follows ``model.modules()``.
+    (:data:`NORMS`, subclasses included, e.g. ``transformers``' LayerNorm). Order follows ``model.modules()``;
+    a parameter shared by two modules (BERT's decoder weight and bias, tied to the embeddings) is listed
+    once, where it first appears.
     """
-    decayed, plain = [], []
+    decayed, plain, seen = [], [], set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
                 (plain if name == "bias" or isinstance(module, NORMS) else decayed).append(p)
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 

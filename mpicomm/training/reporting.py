@@ -3,8 +3,8 @@
 Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
 calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
 communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
-Monitoring collectives (the loss averages of a log line) go through the raw communicator and are not
-booked in the Ledger; evaluation runs unmetered (see :mod:`mpicomm.training.loop`).
+Monitoring collectives (the loss averages of a log line) go through the Communicator's control plane and
+are not booked in the Ledger; evaluation runs unmetered (see :mod:`mpicomm.training.loop`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
         algo.flat.data.copy_(saved)
 
 
-def evaluate(task, algo, mpi_comm, bn_batches: int = 0) -> dict[str, float]:
+def evaluate(task, algo, bn_batches: int = 0) -> dict[str, float]:
     """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models.
 
     ``bn_batches`` > 0: the averaged model is evaluated with BatchNorm statistics recomputed for its own
@@ -43,12 +43,12 @@ def evaluate(task, algo, mpi_comm, bn_batches: int = 0) -> dict[str, float]:
     average = algo.consensus_model()
 
     def averaged() -> dict[str, float]:
-        with recomputed_statistics(algo.model, task, bn_batches, mpi_comm):
+        with recomputed_statistics(algo.model, task, bn_batches, algo.comm):
             return task.evaluate(algo.model)
 
     out = _with_params(algo, average, averaged)
     own = _with_params(algo, algo.flat.data, lambda: task.evaluate(algo.model))
-    everyone = mpi_comm.allgather(own)
+    everyone = algo.comm.allgather_object(own, "the evaluation's allgather")
     for key in own:
         values = [o[key] for o in everyone]
         out[f"{key}_rank_min"], out[f"{key}_rank_max"] = min(values), max(values)
@@ -90,13 +90,14 @@ def account(window: dict, elapsed: float, blocked: float, slept: float, modelled
     window["n"] += 1
 
 
-def log_window(metrics, progress, mpi_comm, algo, step, epoch, window, counters, wall) -> None:
+def log_window(metrics, progress, algo, step, epoch, window, counters, wall) -> None:
     """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
     n = max(window["n"], 1)
     timings = ("compute_s", "comm_s", "wait_s", "step_s")
     local = [float(window["loss"]) / n] + [window[k] / n for k in timings]
-    summed = [sum(vals) for vals in zip(*mpi_comm.allgather(local + [float(counters[k]) for k in sorted(counters)]))]
-    size = mpi_comm.Get_size()
+    local += [float(counters[k]) for k in sorted(counters)]
+    summed = [sum(vals) for vals in zip(*algo.comm.allgather_object(local, "the log line's allgather"))]
+    size = algo.comm.size
     record = {"event": "train", "step": step, "epoch": epoch, "lr": algo.lr, "wall_s": wall,
               "loss": summed[0] / size, **{f"{k}_per_step": v / size for k, v in zip(timings, summed[1:])},
               **algo.comm.ledger.totals(), **algo.metrics()}

@@ -1,0 +1,193 @@
+"""The hang guard: a rank stuck in a collective becomes one line and an exit, never a silent hang.
+
+Every blocking wait the :class:`~mpicomm.comm.Communicator` makes (a collective, a non-blocking
+operation's ``wait()``, the control plane's agreements) runs inside :meth:`WaitGuard.waiting`, which
+records what is waited on and since when. A daemon thread (mpi4py releases the GIL while MPI blocks)
+looks at that record twice a second and ends the rank in two cases:
+
+* the wait has lasted ``timeout_s`` (``--hang-timeout``, default 600 s; ``MPICOMM_HANG_TIMEOUT`` for
+  library use; 0: never): some rank is not taking part. One line names the collective, what the run was
+  doing and the step; then ``MPI_Abort`` ends every rank with :data:`EXIT_HUNG`.
+* a stop signal (SIGTERM, SIGUSR1) arrived and the rank is still blocked in a wait the grace period
+  after it — 10 s (``MPICOMM_SIGNAL_GRACE``) or twice the longest step so far, whichever is longer,
+  so that slower peers can still reach the agreement: the ranks cannot agree to stop and checkpoint,
+  so the rank exits with 128 + the signal number instead of burning a batch allocation. Once the
+  ranks have agreed to stop (:meth:`WaitGuard.signal_handled`), the waits of the stop's checkpoint are
+  the training loop's, however long they take.
+
+The signal reaches the thread through ``signal.set_wakeup_fd`` (:meth:`WaitGuard.watch_signals`, which
+the training loop's stop handler calls): Python runs signal handlers only in the main thread, between
+bytecodes, so a handler never runs while the main thread is inside an MPI call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+__all__ = ["DEFAULT_HANG_TIMEOUT_S", "EXIT_HUNG", "SIGNAL_GRACE_S", "WaitGuard", "hang_timeout_from_env",
+           "process_guard"]
+
+EXIT_HUNG = 4
+DEFAULT_HANG_TIMEOUT_S = 600.0
+SIGNAL_GRACE_S = 10.0
+_TICK_S = 0.5
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    """Environment variable ``name`` in seconds, else ``default``; a bad value is a clear error."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def hang_timeout_from_env(default: float = DEFAULT_HANG_TIMEOUT_S) -> float:
+    """``MPICOMM_HANG_TIMEOUT`` in seconds (0: off), else ``default``."""
+    return _seconds_from_env("MPICOMM_HANG_TIMEOUT", default)
+
+
+class WaitGuard:
+    """Watches this process's blocking waits; see the module docstring. One per process (:func:`process_guard`)."""
+
+    def __init__(self, abort):
+        self._abort = abort  # abort(code): end every rank (MPI_Abort on the world)
+        self.rank = 0
+        self.timeout_s = hang_timeout_from_env()
+        self.signal_grace_s = _seconds_from_env("MPICOMM_SIGNAL_GRACE", SIGNAL_GRACE_S)
+        self._step: int | None = None
+        self._step_began = 0.0
+        self.longest_step_s = 0.0
+        self.activity = ""
+        self._wait: tuple[str, float] | None = None
+        self._signal: tuple[int, float] | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._previous_fd = -1
+
+    # ------------------------------------------------------------------ what the main thread does
+    @property
+    def step(self) -> int | None:
+        """The step the run is in (None: outside training), named by the hang message."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        now = time.monotonic()
+        if self._step is not None and value is not None:
+            self.longest_step_s = max(self.longest_step_s, now - self._step_began)
+        self._step, self._step_began = value, now
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Mark the body as a blocking wait on ``what`` (e.g. ``"allgather"``); nested marks keep the outer."""
+        if self._wait is not None:
+            yield
+            return
+        self._start()
+        self._wait = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._wait = None
+
+    @contextlib.contextmanager
+    def doing(self, activity: str):
+        """Name what the run is doing in the body (``"evaluation"``, ``"checkpoint"``), for the hang message."""
+        previous, self.activity = self.activity, activity
+        try:
+            yield
+        finally:
+            self.activity = previous
+
+    def signal_handled(self) -> None:
+        """Every rank has agreed to stop on the signal: the waits that follow (the checkpoint) are the loop's."""
+        self._signal = None
+
+    def watch_signals(self) -> None:
+        """Main thread: have stop signals also wake the guard's thread (``signal.set_wakeup_fd``)."""
+        self._start()
+        if self._previous_fd == -1:
+            self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+
+    def unwatch_signals(self) -> None:
+        """Main thread: restore the wakeup descriptor :meth:`watch_signals` replaced."""
+        if self._previous_fd != -1:
+            signal.set_wakeup_fd(self._previous_fd)
+            self._previous_fd = -1
+
+    # ------------------------------------------------------------------ the thread
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._reader, self._writer = socket.socketpair()
+            self._writer.setblocking(False)
+            self._reader.settimeout(_TICK_S)
+            self._thread = threading.Thread(target=self._watch, name="mpicomm-hang-guard", daemon=True)
+            self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = self._reader.recv(64)
+                if data and data[-1] in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+                    self._signal = (int(data[-1]), time.monotonic())
+            except (socket.timeout, BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return
+            self._check(time.monotonic())
+
+    def _where(self, what: str) -> str:
+        doing = f" ({self.activity})" if self.activity else ""
+        step = f" at step {self.step}" if self.step is not None else " before training"
+        return f"{what}{doing}{step}"
+
+    def _check(self, now: float) -> None:
+        wait, sig = self._wait, self._signal
+        if wait is None:
+            return
+        what, since = wait
+        grace = max(self.signal_grace_s, 2 * self.longest_step_s)
+        if sig is not None and now - max(sig[1], since) >= grace:
+            name = signal.Signals(sig[0]).name
+            self._say(f"{name} arrived while this rank was waiting in {self._where(what)}; it cannot reach the "
+                      f"point where the ranks agree to stop, so it ends now without a checkpoint "
+                      f"(exit {128 + sig[0]})")
+            os._exit(128 + sig[0])
+        if self.timeout_s and now - since >= self.timeout_s:
+            self._say(f"waited {now - since:.0f} s in {self._where(what)}: another rank is not taking part "
+                      f"(it ended, crashed or waits elsewhere); aborting the job (exit {EXIT_HUNG}). "
+                      f"If a step really takes this long, raise --hang-timeout (MPICOMM_HANG_TIMEOUT)")
+            self._abort(EXIT_HUNG)
+            os._exit(EXIT_HUNG)
+
+    def _say(self, text: str) -> None:
+        sys.stdout.flush()
+        sys.stderr.write(f"mpicomm: rank {self.rank}: {text}\n")
+        sys.stderr.flush()
+
+
+_GUARD: WaitGuard | None = None
+
+
+def process_guard(abort) -> WaitGuard:
+    """This process's guard (created on first use with ``abort``, which ends every rank)."""
+    global _GUARD
+    if _GUARD is None:
+        _GUARD = WaitGuard(abort)
+    return _GUARD
