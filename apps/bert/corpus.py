@@ -3,7 +3,9 @@
 Sources (``load_documents``):
 
 * ``None`` or ``""``: the embedded default, real English that ships with Python itself — the
-  documentation topics of ``pydoc_data.topics`` (79 topics, ~0.5 MB of text), one document per topic.
+  documentation topics of ``pydoc_data.topics`` (79 topics, ~0.5 MB of text), one document per topic;
+  or, with ``dataset="python-docs"``, the standard library's docstrings and comments (~6 MB,
+  :mod:`.documents`; built once by the set-up).
 * a folder: every ``*.txt`` file below it (sorted by path), one document per file; a folder holding a
   single file is treated like that file.
 * a ``.txt`` file: one document per paragraph (blocks separated by blank lines), or per line when the
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_documents", "pack_sequences", "shard", "split_documents"]
+__all__ = ["DATASETS", "load_documents", "pack_sequences", "shard", "split_documents"]
 
 
 def _read(path: Path) -> str:
@@ -54,11 +56,23 @@ def _default_documents() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
-def load_documents(data: str | os.PathLike | None) -> list[str]:
-    """The corpus at ``data`` as a list of non-empty documents (see the module docstring for the rules)."""
+DATASETS = ("pydoc", "python-docs")
+
+
+def load_documents(data: str | os.PathLike | None, dataset: str = "pydoc") -> list[str]:
+    """The corpus at ``data`` as a list of non-empty documents (see the module docstring for the rules);
+    without ``data``, the named ``dataset``: ``pydoc`` (embedded) or ``python-docs`` (:mod:`.documents`)."""
     if data is not None and not isinstance(data, (str, os.PathLike)):
         raise TypeError(f"--data must be a path or None, got {type(data).__name__}")
-    if data is None or str(data) == "":
+    if dataset not in DATASETS:
+        raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    if (data is None or str(data) == "") and dataset == "python-docs":
+        from data.cache import cache_dir
+
+        from .documents import load_python_docs
+
+        docs = load_python_docs(cache_dir())
+    elif data is None or str(data) == "":
         docs = _default_documents()
     else:
         path = Path(data)

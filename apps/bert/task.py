@@ -161,10 +161,11 @@ def _integer(name: str, value, minimum: int, maximum: int | None = None) -> int:
 def build_task(preset: str, data: str | os.PathLike | None, tokenizer_path: str | os.PathLike | None,
                seq_len: int, batch_size: int, rank: int, size: int, seed: int, vocab_size: int | None,
                out_dir: str | os.PathLike | None = None, *, dropout: float = 0.1, val_fraction: float = 0.1,
-               eval_sequences: int = 256) -> BertTask:
+               eval_sequences: int = 256, dataset: str = "pydoc") -> BertTask:
     """Rank ``rank`` of ``size``'s BERT masked-LM task (collective-free: every rank builds the same data).
 
-    ``data``: a .txt file, a folder of .txt files, or None/"" for the embedded pydoc corpus.
+    ``data``: a .txt file, a folder of .txt files, or None/"" for the named ``dataset`` (``pydoc``, embedded;
+    ``python-docs``, built by the set-up).
     ``tokenizer_path``: a saved tokenizer JSON to load; otherwise one is trained on the training documents
     with ``vocab_size`` tokens (None: the preset's default) — deterministically, so every rank gets the
     same one — and cached as ``out_dir/tokenizer-v<V>-<hash>.json`` (written by rank 0) when ``out_dir``
@@ -179,7 +180,7 @@ def build_task(preset: str, data: str | os.PathLike | None, tokenizer_path: str 
     eval_sequences = _integer("eval_sequences", eval_sequences, 1)
     vocab_size = arch.vocab_size if vocab_size is None else vocab_size
 
-    train_docs, val_docs = split_documents(load_documents(data), SPLIT_SEED, val_fraction)
+    train_docs, val_docs = split_documents(load_documents(data, dataset), SPLIT_SEED, val_fraction)
     tok = obtain_tokenizer(train_docs, vocab_size, path=tokenizer_path, cache_dir=out_dir, write_cache=rank == 0)
     ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
     masker = Masker(tok.get_vocab_size(), ids.values(), ids["[MASK]"])

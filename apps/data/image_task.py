@@ -70,7 +70,7 @@ class ImageTask:
             idx = to_device(order[b * self.batch_size:(b + 1) * self.batch_size], self.data.x_train.device)
             x = self.data.x_train[idx]
             if self.augment:
-                x = augment(x, self._generator(epoch, b), self.data.flip)
+                x = augment(x, self._generator(epoch, b), self.data.flip, self.data.pad)
             yield self.data.normalise(x), self.data.y_train[idx]
 
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, float]]:

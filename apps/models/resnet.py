@@ -46,14 +46,14 @@ class _CifarBlock(nn.Module):
 
 
 class CifarResNet(nn.Module):
-    """ResNet-(6n+2) for 32x32 inputs: 16-32-64 channels, n blocks per stage."""
+    """ResNet-(6n+2) for 32x32 (or MNIST's 28x28) inputs: 16-32-64 channels, n blocks per stage."""
 
-    def __init__(self, depth: int, num_classes: int = 10, norm: str = "batch"):
+    def __init__(self, depth: int, num_classes: int = 10, norm: str = "batch", in_channels: int = 3):
         super().__init__()
         if (depth - 2) % 6:
-            raise ValueError(f"CIFAR ResNet depth must be 6n+2 (20, 32, 44, 56, 110), got {depth}")
+            raise ValueError(f"CIFAR ResNet depth must be 6n+2 (8, 20, 32, 44, 56, 110), got {depth}")
         n = (depth - 2) // 6
-        self.conv = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.conv = nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False)
         self.bn = _norm(norm, 16)
         layers, cin = [], 16
         for cout, stride in ((16, 1), (32, 2), (64, 2)):
@@ -67,7 +67,7 @@ class CifarResNet(nn.Module):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits for a batch of 3x32x32 images."""
+        """Logits for a batch of images (N, in_channels, H, W)."""
         out = self.layers(F.relu(self.bn(self.conv(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
@@ -91,9 +91,9 @@ class _Block18(nn.Module):
 class ResNet18(nn.Module):
     """ResNet-18, CIFAR variant (3x3 stem, no max-pool), 64-128-256-512 channels."""
 
-    def __init__(self, num_classes: int = 10, norm: str = "batch"):
+    def __init__(self, num_classes: int = 10, norm: str = "batch", in_channels: int = 3):
         super().__init__()
-        self.conv = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        self.conv = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
         self.bn = _norm(norm, 64)
         layers, cin = [], 64
         for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
@@ -108,16 +108,17 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
 
-MODELS = {f"resnet{d}": d for d in (20, 32, 44, 56, 110)} | {"resnet18": 18}
+MODELS = {f"resnet{d}": d for d in (8, 20, 32, 44, 56, 110)} | {"resnet18": 18}
 
 
-def build_model(name: str, num_classes: int = 10, norm: str = "batch", seed: int = 0) -> nn.Module:
-    """Build model ``name`` (see :data:`MODELS`) with weights drawn from ``seed``."""
+def build_model(name: str, num_classes: int = 10, norm: str = "batch", seed: int = 0,
+                in_channels: int = 3) -> nn.Module:
+    """Build model ``name`` (see :data:`MODELS`) for ``in_channels``-channel images, weights drawn from ``seed``."""
     if name not in MODELS:
         raise ValueError(f"--model: unknown model {name!r}; choose one of {sorted(MODELS)}")
     if norm not in ("batch", "group"):
         raise ValueError(f"--norm must be 'batch' or 'group', got {norm!r}")
     torch.manual_seed(seed)
     if name == "resnet18":
-        return ResNet18(num_classes, norm)
-    return CifarResNet(MODELS[name], num_classes, norm)
+        return ResNet18(num_classes, norm, in_channels)
+    return CifarResNet(MODELS[name], num_classes, norm, in_channels)
