@@ -49,6 +49,24 @@ def local_loss(model: torch.nn.Module, rank: int) -> torch.Tensor:
     return ((model(A)[:, 0] - b) ** 2).sum() / (2 * M)
 
 
+def alone(rank: int, steps: int, lr: float) -> torch.Tensor:
+    """Rank ``rank``'s model after ``steps`` full-batch SGD steps at ``lr`` on its own data with no communication
+    (what a decentralized method does with its averaging taken out): it heads for the rank's own optimum."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        local_loss(model, rank).backward()
+        optimizer.step()
+    return model.weight.detach()[0].clone()
+
+
+def relative_gap(x: torch.Tensor, n: int) -> float:
+    """(F(x) - F*) / (F(0) - F*) over ranks 0..n-1: 1 at the zero start, 0 at the optimum."""
+    f0, fstar = objective(torch.zeros(D), n), objective(optimum(n), n)
+    return (objective(x, n) - fstar) / (f0 - fstar)
+
+
 def train(algo, steps: int, lr=None) -> None:
     """``steps`` full-batch steps of ``algo`` on this rank's data (step size ``lr(step)`` if given)."""
     for _ in range(steps):
