@@ -35,34 +35,36 @@ __all__ = ["DATASETS", "ImageData", "load_cifar10", "load_dataset", "load_digits
 DATASETS = ("digits", "mnist", "cifar10")
 
 
-def _channel_statistics(x: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and standard deviation of uint8 images (N, C, H, W) in [0, 1], in float64 sums over
-    blocks of images (no float copy of the whole set)."""
-    x = x.numpy() if torch.is_tensor(x) else x
-    total = np.zeros(x.shape[1])
-    squares = np.zeros(x.shape[1])
-    for start in range(0, len(x), 4096):
-        block = np.asarray(x[start:start + 4096], dtype=np.float64) / 255
-        total += block.sum(axis=(0, 2, 3))
-        squares += np.square(block).sum(axis=(0, 2, 3))
-    count = len(x) * x.shape[2] * x.shape[3]
+def channel_statistics(blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and standard deviation, in [0, 1], of uint8 images given as blocks (n, C, H, W),
+    summed in float64 one block at a time (no float copy of the whole set)."""
+    total = squares = None
+    count = 0
+    for block in blocks:
+        block = np.asarray(block, dtype=np.float64) / 255
+        sums, sum_squares = block.sum(axis=(0, 2, 3)), np.square(block).sum(axis=(0, 2, 3))
+        total = sums if total is None else total + sums
+        squares = sum_squares if squares is None else squares + sum_squares
+        count += block.shape[0] * block.shape[2] * block.shape[3]
     mean = total / count
     std = np.sqrt(np.maximum(squares / count - mean**2, 0) * count / max(count - 1, 1))
-    shape = (1, x.shape[1], 1, 1)
+    shape = (1, len(mean), 1, 1)
     return torch.tensor(mean, dtype=torch.float32).view(shape), torch.tensor(std, dtype=torch.float32).view(shape)
 
 
 class ImageData:
     """Train/test images as uint8 tensors (N, C, H, W) with int64 labels and per-channel statistics.
 
-    ``pad``: the random crop's zero padding in pixels; ``flip``: whether augmentation flips horizontally.
+    ``pad``: the random crop's zero padding in pixels; ``flip``: whether augmentation flips horizontally;
+    ``statistics``: the training images' per-channel (mean, std) when the caller computed them already.
     """
 
-    def __init__(self, x_train, y_train, x_test, y_test, name: str, flip: bool, pad: int = 4):
+    def __init__(self, x_train, y_train, x_test, y_test, name: str, flip: bool, pad: int = 4, statistics=None):
         self.x_train, self.y_train, self.x_test, self.y_test = x_train, y_train, x_test, y_test
         self.name, self.flip, self.pad = name, flip, pad
-        self.mean, self.std = _channel_statistics(x_train)
-        self.std = self.std + 1e-6
+        if statistics is None:
+            statistics = channel_statistics(x_train[i:i + 4096].numpy() for i in range(0, len(x_train), 4096))
+        self.mean, self.std = statistics[0], statistics[1] + 1e-6
         self.num_classes = int(max(y_train.max(), y_test.max())) + 1
         self.channels = int(x_train.shape[1])
 
@@ -136,17 +138,20 @@ def load_mnist() -> ImageData:
     """Full MNIST from the verified cache (:func:`.mnist.load_mnist_arrays`): 1 x 28 x 28, no horizontal flips.
 
     The training images stay memory-mapped (read-only, shared by the ranks of a node through the page
-    cache); a batch gathers its images from them.
+    cache); a batch gathers its images from them. Their statistics are summed from plain file reads, so
+    no rank maps pages it will not train on.
     """
-    from .mnist import load_mnist_arrays
+    from .cache import cache_dir
+    from .mnist import data_blocks, load_mnist_arrays
 
     arrays = load_mnist_arrays()
+    statistics = channel_statistics(block[:, None] for block in data_blocks(cache_dir() / "mnist" / "x_train.npy"))
     with warnings.catch_warnings():  # torch warns that the read-only map is not writable: it is never written
         warnings.simplefilter("ignore", UserWarning)
         x_train = torch.from_numpy(arrays["x_train"]).unsqueeze(1)
     x_test = torch.from_numpy(np.array(arrays["x_test"])).unsqueeze(1)
     return ImageData(x_train, torch.from_numpy(np.array(arrays["y_train"])), x_test,
-                     torch.from_numpy(np.array(arrays["y_test"])), "mnist", flip=False, pad=2)
+                     torch.from_numpy(np.array(arrays["y_test"])), "mnist", flip=False, pad=2, statistics=statistics)
 
 
 def load_dataset(name: str, data_dir: str = "", seed: int = 0) -> ImageData:
