@@ -7,7 +7,8 @@ last rank sleeps ``SLEEP`` seconds after every step and takes SECONDS / SLEEP st
 wall time, more on a loaded machine); the other ranks step until it is done (a non-blocking barrier it
 joins last), however many steps that lets them take. So the slow rank's work is fixed and the fast
 ranks' count shows whether they waited for it, whatever the load. Then all ranks meet and measure:
-steps per rank, F(x̄) - F* relative to F(x_0) - F*, the consensus distance and the bytes read. Then each
+steps per rank, F(x̄) - F* relative to F(x_0) - F*, the same of each rank's own model, the consensus
+distance and the bytes read. Then each
 rank checks its own state round trip (state_dict -> fresh algorithm -> load_state_dict: same parameters,
 same state, same next peers). Rank 0 writes everything to OUT.json.
 """
@@ -85,6 +86,7 @@ def run(comm, label: str, name: str, options: dict, seconds: float, sleep: float
         "steps": comm.allgather(steps),
         "gap": gap,
         "consensus_distance": spread,
+        "own_gaps": comm.allgather(lsq.relative_gap(algo.flat.data, n)),
         "bytes_read": comm.allgather(stats["total_bytes_contributed"]),
         "message_bytes": algo.message_bytes,
         "wrapped_parts": comm.allgather(stats.get("wrapped_parts", 0)),

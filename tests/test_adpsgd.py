@@ -26,6 +26,7 @@ import torch
 from mpicomm.comm import Communicator
 from mpicomm.comm.rma import Mailbox
 
+from . import lsq_problem as lsq
 from .algo_common import topologies_for
 from .app_runs import mpiexec
 from .conftest import run_all
@@ -62,19 +63,32 @@ def test_fast_ranks_are_not_held_back_by_the_slow_one(job, label):
     assert min(steps[:-1]) >= 3 * steps[-1], steps
 
 
-@pytest.mark.parametrize("label,max_gap,max_spread", [
+ALONE_PAPER = ("the 1-bit paper form ends exactly where ranks that never communicate end (own models' gap equal to "
+               "4 digits in every run measured): nearest rounding at 1 bit leaves a dead zone of a grid cell, and "
+               "its theta keeps the cell wider than the ranks' spread, so no pull moves a model")
+
+
+@pytest.mark.parametrize("label,max_gap,max_spread,alone_factor", [
     # 2.5 s on a loaded 2-core machine: gap 4.7e-4 / 9.0e-4 / 6.0e-3 / 9.1e-3, spread 0.082 / 0.084 / 0.40 / 0.64
-    # (the default mixes each coordinate on 1/4 of the pulls: spread ~5x)
-    ("adpsgd", 1e-2, 0.5),
-    ("8bit", 2e-2, 0.5),
-    ("default", 5e-2, 1.0),
-    ("paper", 0.1, 2.0),  # the 1-bit grid is coarse
+    # (the default mixes each coordinate on 1/4 of the pulls: spread ~5x). Own models against the same steps
+    # taken alone: 27-32x / 37-44x / 2.3-3.8x / 1.0x closer to the optimum
+    ("adpsgd", 1e-2, 0.5, 10.0),
+    ("8bit", 2e-2, 0.5, 10.0),
+    ("default", 5e-2, 1.0, 1.5),
+    pytest.param("paper", 0.1, 2.0, 2.0, marks=pytest.mark.xfail(strict=True, reason=ALONE_PAPER)),
 ])
-def test_models_converge_despite_the_slow_rank(job, label, max_gap, max_spread):
-    """(b) (F(x̄) - F*) / (F(x_0) - F*) (1 at the start) and sqrt(mean_i |x_i - x̄|^2) at the end, lr 0.1."""
+def test_models_converge_despite_the_slow_rank(job, label, max_gap, max_spread, alone_factor):
+    """(b) (F(x̄) - F*) / (F(x_0) - F*) (1 at the start) and sqrt(mean_i |x_i - x̄|^2) at the end, lr 0.1; and the
+    ranks' own models, each scored the same way, ``alone_factor`` times closer to the optimum on average than the
+    models of ranks that take the same number of steps alone (no communication: each heads for the optimum of its
+    own data, planted around a different point on every rank)."""
     row = results(job, label)
     assert row["gap"] < max_gap, row
     assert row["consensus_distance"] < max_spread, row
+    n = len(row["steps"])
+    alone = sum(lsq.relative_gap(lsq.alone(r, steps, 0.1), n) for r, steps in enumerate(row["steps"])) / n
+    own = sum(row["own_gaps"]) / n
+    assert own * alone_factor <= alone, (own, alone, row)
 
 
 @pytest.mark.parametrize("label,bits,parts", [("adpsgd", None, None), ("8bit", 8, 1), ("default", 4, 4),
