@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2 and 4 ranks, the CPU part of
+# The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2, 3 and 4 ranks, the CPU part of
 # scripts/gpu_check.sh, then
 # rendered sbatch templates on a real single-node SLURM (root only; installed from Debian if missing).
 # Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
@@ -31,8 +31,9 @@ tier() {  # tier NAME COMMAND...
 MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-900}   # a hang guard: pytest-timeout stops a hung test after 300 s; a loaded 2-core machine took 420 s
 tier lint ruff check .
 tier serial python -m pytest -q "$@"
-for n in 1 2 4; do
-  tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
+for n in 1 2 3 4; do   # 3: an odd count, where shards and neighbourhoods are uneven
+  tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" \
+    mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
 done
 tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
 if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then

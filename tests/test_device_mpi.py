@@ -111,9 +111,9 @@ def test_mixed_precision_resume_is_bit_exact(comm, name, precision, tmp_path_fac
     root = comm.bcast(str(tmp_path_factory.mktemp("amp")) if comm.Get_rank() == 0 else None)
 
     def body():
-        straight, end = _run(comm, name, f"{root}/straight", precision=precision)
-        _, first = _run(comm, name, f"{root}/split", precision=precision, stop_at_step=STEPS // 2)
-        resumed, last = _run(comm, name, f"{root}/split", precision=precision, resume="latest")
+        straight, end, _ = _run(comm, name, f"{root}/straight", precision=precision)
+        _, first, _ = _run(comm, name, f"{root}/split", precision=precision, stop_at_step=STEPS // 2)
+        resumed, last, _ = _run(comm, name, f"{root}/split", precision=precision, resume="latest")
         assert first["step"] == STEPS // 2 and last["step"] == STEPS
         assert torch.equal(resumed.flat.data, straight.flat.data)
         assert last.get("loss_scale") == end.get("loss_scale")

@@ -56,7 +56,7 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
         if agreed_of(exc) is not None:
             raise  # already raised on every rank alike
         error = exc
-    raise_together(comm, error)  # a check inside the constructor that every rank reached
+    raise_together(comm, error, None)  # a check inside the constructor that every rank reached
     if optimizer is not None:
         algo.use_optimizer(optimizer)
     return algo

@@ -61,16 +61,19 @@ def abort_on_exception(comm=None, exit_code: int = 1):
         _abort(comm, exit_code)
 
 
-def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] = ValueError) -> None:
+def raise_together(comm, error: BaseException | None, exc_type: type[BaseException] | None = ValueError) -> None:
     """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank.
 
-    ``comm``: a :class:`~mpicomm.comm.Communicator` (its guarded control plane) or an mpi4py communicator.
-    The raised error is marked as agreed (:func:`mpicomm.errors.agreed_of`): an app prints it once.
+    ``exc_type`` None: the first failing rank's own type when it is ``TypeError``, else ``ValueError`` (the
+    same type on every rank, whichever rank failed). ``comm``: a :class:`~mpicomm.comm.Communicator` (its
+    guarded control plane) or an mpi4py communicator. The raised error is marked as agreed
+    (:func:`mpicomm.errors.agreed_of`): an app prints it once.
     """
     gather = getattr(comm, "allgather_object", None) or comm.allgather
     messages = gather(None if error is None else (type(error).__name__, str(error)))
     failed = [rank for rank, m in enumerate(messages) if m is not None]
     if failed:
         name, text = messages[failed[0]]
-        exc = exc_type(f"rank {failed[0]}: {name}: {text}")
+        cls = exc_type or (TypeError if name == "TypeError" else ValueError)
+        exc = cls(f"rank {failed[0]}: {name}: {text}")
         raise mark_agreed(exc, text, failed, len(messages)) from error
