@@ -36,9 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     which = export.add_mutually_exclusive_group()
     which.add_argument("--average", action="store_true", help="the average of all ranks' models (the default)")
     which.add_argument("--rank", type=int, default=None, help="this rank's own model instead of the average")
-    export.add_argument("--buffers", default="average",
-                        help="with the average: 'average' (floating-point buffers such as BatchNorm statistics "
-                             "averaged over the ranks) or a rank whose buffers to take (0: as the run evaluated)")
+    export.add_argument("--buffers", default="evaluated",
+                        help="with the average: 'evaluated' (the default: the model exactly as the run's final "
+                             "evaluation scored it, BatchNorm statistics recomputed for the averaged weights), "
+                             "'average' (the ranks' BatchNorm statistics averaged) or a rank whose buffers to take")
     slurm = sub.add_parser("slurm", help="render, submit or regenerate sbatch templates (see slurm/)")
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
     for name, text in (("render", "print the rendered template (or write it with -o)"),

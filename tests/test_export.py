@@ -130,6 +130,20 @@ def test_resnet_average_reproduces_the_runs_evaluation(resnet_run, tmp_path, cap
     assert _resnet_eval(state)["test_loss"] != pytest.approx(final["test_loss"], rel=1e-5)
 
 
+def test_the_default_export_of_a_run_is_the_model_it_scored(tmp_path_factory, tmp_path, capsys):
+    """A run with --out-dir and no --save-every still ends with a checkpoint, and ``mpicomm export`` of it with no
+    option gives the model the run's final evaluation scored: the same accuracy and loss, loaded in plain torch."""
+    out = tmp_path_factory.mktemp("plain")
+    proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--out-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, printed, _ = _export(capsys, out, "-o", tmp_path / "model.pt")
+    assert code == 0 and "the model the run evaluated at step 4" in printed, printed
+    final = _final_eval(out)
+    got = _resnet_eval(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert got["test_accuracy"] == final["test_accuracy"]
+    assert got["test_loss"] == pytest.approx(final["test_loss"], rel=1e-6)
+
+
 def test_resnet_evaluation_with_rank_0s_statistics(tmp_path_factory, tmp_path, capsys):
     """``--eval-bn-batches 0``: the averaged model is evaluated with rank 0's statistics, as export --buffers 0."""
     run = _run(tmp_path_factory, "resnet_bn0", "train_resnet.py",
@@ -157,7 +171,7 @@ def test_resnet_rank_exports_are_the_ranks_own_models(resnet_run, tmp_path, caps
 
 
 def test_resnet_average_averages_parameters_and_batchnorm_statistics(resnet_run, tmp_path, capsys):
-    code, out, _ = _export(capsys, resnet_run, "-o", tmp_path / "avg.pt")
+    code, out, _ = _export(capsys, resnet_run, "-o", tmp_path / "avg.pt", "--buffers", "average")
     assert code == 0 and "BatchNorm statistics) averaged" in out
     for rank in (0, 1):
         cli(["export", str(resnet_run), "-o", str(tmp_path / f"r{rank}.pt"), "--rank", str(rank)])
@@ -190,8 +204,10 @@ def test_bad_input_is_one_line_and_exit_2(resnet_run, tmp_path, capsys):
         "is not a folder": [resnet_run, "-o", tmp_path / "file" / "a.pt"],
         "is a folder; --format torch writes one file": [resnet_run, "-o", tmp_path],
         "exists and is not an empty folder": [resnet_run, "-o", tmp_path / "full", "--format", "hf"],
-        "--buffers must be 'average' or a rank in [0, 1]": [resnet_run, "-o", tmp_path / "a.pt", "--buffers", "2"],
-        "--buffers applies to --average only": [resnet_run, "-o", tmp_path / "a.pt", "--rank", "1", "--buffers", "0"],
+        "--buffers must be 'evaluated', 'average' or a rank in [0, 1]":
+            [resnet_run, "-o", tmp_path / "a.pt", "--buffers", "2"],
+        "--buffers applies to the averaged model only":
+            [resnet_run, "-o", tmp_path / "a.pt", "--rank", "1", "--buffers", "0"],
     }
     for expected, args in cases.items():
         code, out, err = _export(capsys, *args)

@@ -48,7 +48,7 @@ from .model_record import model_record
 from .tree import LIBVER, CheckpointError, link_name, read_tree, write_tree
 
 __all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "optimizer_settings", "read_index",
-           "read_rank_entry", "run_meta", "save_checkpoint"]
+           "read_rank_entry", "run_meta", "save_checkpoint", "set_aside_after"]
 
 INDEX = "checkpoint.h5"
 LATEST = "latest"
@@ -177,6 +177,24 @@ def list_checkpoints(root) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / INDEX).is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def set_aside_after(root, step: int) -> list[Path]:
+    """Rename the complete checkpoints of ``root`` past ``step`` to ``superseded-step-…`` (never deleted); return them.
+
+    A run resumed from an earlier checkpoint re-trains the steps after it: its own later checkpoints would
+    collide with those names. Renamed, they stay on disk (``list_checkpoints`` no longer sees them).
+    """
+    moved = []
+    for path in list_checkpoints(root):
+        if int(path.name[5:]) > step:
+            target = path.with_name(f"superseded-{path.name}")
+            suffix = 1
+            while target.exists():
+                target, suffix = path.with_name(f"superseded-{path.name}.{suffix}"), suffix + 1
+            os.rename(path, target)
+            moved.append(target)
+    return moved
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -448,8 +466,9 @@ def _mismatch(label: str, have, want) -> str | None:
     return None if same else f"checkpoint has {label} {_show(have)}, this job has {_show(want)}"
 
 
-def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: tuple = ()):
-    """Rank ``rank``'s state from its file (identity checked), or only the entry at ``keys`` (dict keys)."""
+def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: tuple = (), missing_ok: bool = False):
+    """Rank ``rank``'s state from its file (identity checked), or only the entry at ``keys`` (dict keys; None when
+    it is absent and ``missing_ok``)."""
     def read(f):
         found = tuple(str(f.attrs.get(f"mpicomm_{key}")) for key in _IDENTITY)
         want = tuple(str(v) for v in (rank, size, step, save_id))
@@ -459,6 +478,8 @@ def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: 
         node = f[_rank_group(rank)]
         for depth, key in enumerate(keys):
             if link_name(key) not in node:
+                if missing_ok:
+                    return None
                 raise CheckpointError(f"rank {rank}'s state has no entry {list(keys[:depth + 1])}")
             node = node[link_name(key)]
         return read_tree(node)
@@ -476,14 +497,15 @@ def read_index(path_or_root) -> tuple[Path, dict, str]:
     return directory, meta, save_id
 
 
-def read_rank_entry(directory, rank: int, meta: dict, save_id: str, keys: tuple = ()):
+def read_rank_entry(directory, rank: int, meta: dict, save_id: str, keys: tuple = (), missing_ok: bool = False):
     """Serial (no MPI): rank ``rank``'s state, or its entry at ``keys`` (``("algorithm", "params")``).
 
     ``directory``, ``meta`` and ``save_id`` come from :func:`read_index`; the rank file must belong to
-    that save (its identity is checked) and be intact, else :class:`CheckpointError` names it.
+    that save (its identity is checked) and be intact, else :class:`CheckpointError` names it. An absent
+    entry is an error too, or None with ``missing_ok``.
     """
     path = Path(directory) / _rank_name(rank)
-    return _read_rank(path, rank, meta["world_size"], meta["step"], save_id, tuple(keys))
+    return _read_rank(path, rank, meta["world_size"], meta["step"], save_id, tuple(keys), missing_ok)
 
 
 def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[dict, dict]:

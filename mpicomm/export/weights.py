@@ -1,17 +1,20 @@
-"""A trained model's ``state_dict`` from mpicomm's per-rank checkpoint files: one rank's, or the average of all.
+"""A trained model's ``state_dict`` from mpicomm's per-rank checkpoint files: as the run evaluated it, one
+rank's, or the average of all.
 
 Every rank's file holds the flat parameter vector (``ranks/R/algorithm/params``, named and shaped by the
 meta's ``model_signature``) and the model's buffers by name (``ranks/R/buffers``: BatchNorm's running
 mean, variance and batch count, and non-persistent buffers). Serial: h5py only, no MPI.
 
+* the evaluated model (the default, ``buffers="evaluated"``): the training loop's final checkpoint keeps,
+  in rank 0's file (``ranks/0/evaluated``), the model its last evaluation scored — the average of the
+  ranks' parameters as the run computed it, with the BatchNorm statistics recomputed for those weights
+  (``--eval-bn-batches``; rank 0's own with 0). Exported, it scores exactly what ``metrics.jsonl`` reports.
+  A checkpoint without it (saved between evaluations, or by an older mpicomm) gives the average below.
 * ``rank=R``: rank R's parameters and buffers, exactly as saved.
-* the average (``rank=None``): the mean of every rank's parameters (accumulated in float64, one rank
-  file in memory at a time, then cast back), and by default the mean of every rank's floating-point
-  buffers too (``buffers="average"``), since each rank's BatchNorm statistics saw only its own shard
-  (with a non-IID split, only its own classes). Integer buffers (``num_batches_tracked``, equal on
-  every rank of a synchronous run) are rank 0's. ``buffers=R`` takes every buffer from rank R instead:
-  the training loop evaluates the averaged parameters with rank 0's buffers, so ``buffers=0``
-  reproduces the ``test_*`` numbers of ``metrics.jsonl`` exactly.
+* the average (``rank=None``, ``buffers="average"`` or a rank): the mean of every rank's parameters
+  (accumulated in float64, one rank file in memory at a time, then cast back), with the mean of every
+  rank's floating-point buffers (``"average"``; integer buffers such as ``num_batches_tracked`` are rank
+  0's) or every buffer of rank R (``buffers="R"``).
 
 The keys are those of the model's own ``state_dict()``, recorded in the meta (``meta["model"]``, see
 :mod:`mpicomm.checkpoint.model_record`): tied weights appear under each of their names (one tensor),
@@ -115,28 +118,48 @@ def _keyed(params: dict, buffers: dict, record: dict | None, notes: list[str]) -
     return {key: values[source] for key, source in zip(record["state_keys"], record["state_sources"])}
 
 
-def read_weights(path, *, rank: int | None = None, buffers: str = "average") -> Weights:
-    """The ``state_dict`` of rank ``rank``'s model, or of all ranks' average (``rank=None``), from a checkpoint.
+def _evaluated(directory: Path, meta: dict, save_id: str):
+    """The model the run's evaluation scored at this checkpoint's step (rank 0's ``evaluated`` entry), or None."""
+    entry = read_rank_entry(directory, 0, meta, save_id, ("evaluated",), missing_ok=True)
+    if entry is None or int(entry["step"]) != int(meta["step"]):
+        return None
+    return entry["params"], entry["buffers"]
+
+
+def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -> Weights:
+    """The ``state_dict`` of the model as the run evaluated it, of rank ``rank``'s, or of all ranks' average.
 
     ``path`` is a run directory (its ``latest`` checkpoint), a ``step-N`` directory or a ``checkpoint.h5``.
-    ``buffers`` (average only): ``"average"`` or a rank whose buffers to take (see the module docstring).
-    Bad input raises :class:`ExportError` or :class:`~mpicomm.checkpoint.CheckpointError` (both ``ValueError``).
+    ``buffers`` (without ``rank``): ``"evaluated"``, ``"average"`` or a rank whose buffers to take with the
+    averaged parameters (see the module docstring). Bad input raises :class:`ExportError` or
+    :class:`~mpicomm.checkpoint.CheckpointError` (both ``ValueError``).
     """
     directory, meta, save_id = read_index(path)
     size = meta["world_size"]
     signature = _signature(meta, directory)
     if rank is not None and not 0 <= rank < size:
         raise ExportError(f"--rank must be in [0, {size - 1}]: {directory} holds {size} ranks, got {rank}")
-    if rank is not None and buffers != "average":
-        raise ExportError(f"--buffers applies to --average only (--rank {rank} exports that rank's own buffers)")
-    if buffers != "average" and not (buffers.isdigit() and int(buffers) < size):
-        raise ExportError(f"--buffers must be 'average' or a rank in [0, {size - 1}], got {buffers!r}")
-    ranks = list(range(size)) if rank is None else [rank]
-    buffers_from = rank if rank is not None else (None if buffers == "average" else int(buffers))
-    flat, kept = _combine(directory, meta, save_id, ranks, buffers_from)
+    if rank is not None and buffers not in ("evaluated", "average"):
+        raise ExportError(f"--buffers applies to the averaged model only (--rank {rank} exports that rank's own)")
+    if buffers not in ("evaluated", "average") and not (buffers.isdigit() and int(buffers) < size):
+        raise ExportError(f"--buffers must be 'evaluated', 'average' or a rank in [0, {size - 1}], got {buffers!r}")
     notes: list[str] = []
-    if rank is None and any(value.is_floating_point() for value in kept.values()):
-        notes.append("floating-point buffers (BatchNorm statistics) averaged over the ranks too" if buffers_from is None
-                     else f"buffers (BatchNorm statistics) from rank {buffers_from}")
+    evaluated = _evaluated(directory, meta, save_id) if rank is None and buffers == "evaluated" else None
+    if evaluated is not None:
+        flat, kept = evaluated
+        notes.append(f"the model the run evaluated at step {meta['step']}: the ranks' average with the BatchNorm "
+                     "statistics it was scored with")
+        ranks = list(range(size))
+    else:
+        if rank is None and buffers == "evaluated":
+            notes.append("this checkpoint holds no evaluated model (saved between evaluations, or by an older "
+                         "mpicomm): the average of the ranks' models")
+            buffers = "average"
+        ranks = list(range(size)) if rank is None else [rank]
+        buffers_from = rank if rank is not None else (None if buffers == "average" else int(buffers))
+        flat, kept = _combine(directory, meta, save_id, ranks, buffers_from)
+        if rank is None and any(value.is_floating_point() for value in kept.values()):
+            notes.append("floating-point buffers (BatchNorm statistics) averaged over the ranks too"
+                         if buffers_from is None else f"buffers (BatchNorm statistics) from rank {buffers_from}")
     state = _keyed(_named(flat, signature, directory), kept, meta.get("model"), notes)
     return Weights(state, directory, meta, ranks, notes)

@@ -46,7 +46,7 @@ import torch
 
 from ..checkpoint import save_checkpoint
 from ..checkpoint.rng import capture_rng_state
-from ..checkpoint.store import run_meta
+from ..checkpoint.store import run_meta, set_aside_after
 from ..comm import raise_together
 from ..errors import TrainingStopped, agreed_of, mark_agreed
 from .console import Console
@@ -54,7 +54,7 @@ from .device import to_device
 from .health import agree, local_problem
 from .metrics import MetricsWriter
 from .precision import PRECISIONS, Precision
-from .reporting import Progress, account, evaluate, log_window
+from .reporting import Progress, account, eval_line, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
 from .rundir import RunLock, claim_out_dir
 from .schedule import LRSchedule
@@ -215,7 +215,8 @@ class _Run:
         self.precision = Precision(cfg.precision, self.device, algo.comm)
         self.step, self.epoch, self.start = 0, 0, 0
         self.train_s, self.wall_offset = 0.0, 0.0
-        self.last_saved = ""
+        self.last_saved, self.saved_step = "", -1
+        self.evaluated: dict = {}
         self.metrics = MetricsWriter(None, enabled=False)
         self.progress = Progress(False, 0, 0)
         self.stop = StopFlag(install=False)
@@ -257,14 +258,28 @@ class _Run:
                 f"the checkpoint {resumed.path} is at step {resumed.step}, beyond this run's {self.total} steps: "
                 "raise --epochs or --max-steps to train on from it"))
         self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
+        self._set_aside_later_checkpoints()
         counters = resumed.counters
         if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
             self.train_s, self.wall_offset = float(counters["train_s"]), float(counters["wall_s"])
             self.algo.comm.ledger.load_state_dict(counters["ledger"])
             self.algo.comm.clock.load_totals(counters["clock"])
-        self.last_saved = str(resumed.path)
+        self.last_saved, self.saved_step = str(resumed.path), resumed.step
         self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}")
         return resumed
+
+    def _set_aside_later_checkpoints(self) -> None:
+        """Collective: a run resumed from an earlier checkpoint keeps its later ones as ``superseded-step-…``."""
+        moved, error = [], None
+        if self.rank == 0:
+            try:
+                moved = set_aside_after(self.cfg.out_dir, self.step)
+            except OSError as exc:
+                error = exc
+        raise_together(self.comm, error)
+        if moved:
+            self.console.info(f"resuming step {self.step} of a run that went on further: its later checkpoints are "
+                              f"kept as {', '.join(p.name for p in moved)}")
 
     def _write_start(self, resumed: Resumed | None, run_info: dict) -> None:
         algo = self.algo
@@ -296,6 +311,8 @@ class _Run:
                  "counters": counters}
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()
+        if self.rank == 0 and self.evaluated.get("step") == self.step:
+            state["evaluated"] = self.evaluated  # what the run scored: mpicomm export's default
         try:
             with self.guard.doing("saving a checkpoint"):
                 path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
@@ -306,7 +323,7 @@ class _Run:
                 raise
             raise self._stopped(f"could not write the checkpoint of step {self.step} in {self.cfg.out_dir}: "
                                 f"{mark.describe()}") from exc
-        self.last_saved = str(path)
+        self.last_saved, self.saved_step = str(path), self.step
         self.metrics.write({"event": "checkpoint", "step": self.step, "path": str(path)})
         self.console.info(f"checkpoint of step {self.step} saved: {path}")
 
@@ -403,8 +420,8 @@ class _Run:
                     break
             epoch, start = (epoch + 1, 0) if not stopped_by else (epoch, start)
         self.guard.step = None
-        if self.step == total and not stopped_by and cfg.save_every and self.step % cfg.save_every:
-            self.save((epoch, 0))
+        if self.step == total and not stopped_by and self.saved_step != total:
+            self.save((epoch, 0))  # the end of every run with --out-dir: the model to export
         algo.close()
         summary = {"event": "end", "step": self.step, "total_steps": total, "stopped_by_signal": stopped_by,
                    **({"loss_scale": self.precision.scale, "skipped_steps": self.precision.skipped}
@@ -417,14 +434,16 @@ class _Run:
         return summary
 
     def _evaluate(self, epoch: float | None = None) -> dict[str, float]:
-        """Collective, unmetered: evaluate the averaged model and write the eval record (and its console line)."""
+        """Collective, unmetered: evaluate the averaged model, write the eval record and its console line."""
         with self.algo.comm.unmetered(), self.guard.doing("evaluation"):
-            result = evaluate(self.task, self.algo, self.cfg.eval_bn_batches)
+            result, model = evaluate(self.task, self.algo, self.cfg.eval_bn_batches)
+        self.evaluated = {"step": self.step, **model}
         record = {"event": "eval", "step": self.step, "wall_s": self.wall(), "train_s": self.train_s, **result,
                   **self.algo.comm.ledger.totals()}
         if epoch is not None:
             record["epoch"] = epoch
         self.metrics.write(record)
+        self.console.info(eval_line(self.step, self.total, result))
         return result
 
     def _give_up(self, verdict, step: int) -> None:

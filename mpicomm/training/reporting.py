@@ -16,7 +16,7 @@ import torch
 
 from .batchnorm import recomputed_statistics
 
-__all__ = ["Progress", "account", "evaluate", "log_window"]
+__all__ = ["Progress", "account", "eval_line", "evaluate", "log_window"]
 
 
 def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
@@ -33,17 +33,21 @@ def _with_params(algo, flat: torch.Tensor, fn: Callable[[], dict]) -> dict:
         algo.flat.data.copy_(saved)
 
 
-def evaluate(task, algo, bn_batches: int = 0) -> dict[str, float]:
-    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models.
+def evaluate(task, algo, bn_batches: int = 0) -> tuple[dict[str, float], dict]:
+    """Collective: metrics of the averaged model, plus min/max of each metric over the ranks' own models;
+    and the model that was evaluated (``{"params": flat, "buffers": {name: tensor}}``, the same on every rank
+    when ``bn_batches`` > 0), which the final checkpoint keeps so that an export scores what the run reported.
 
     ``bn_batches`` > 0: the averaged model is evaluated with BatchNorm statistics recomputed for its own
     weights from that many training batches per rank (:mod:`.batchnorm`); 0: with this rank's statistics.
     The ranks' own models keep their own statistics.
     """
     average = algo.consensus_model()
+    evaluated = {"params": average}
 
     def averaged() -> dict[str, float]:
         with recomputed_statistics(algo.model, task, bn_batches, algo.comm):
+            evaluated["buffers"] = {name: b.detach().clone() for name, b in algo.model.named_buffers()}
             return task.evaluate(algo.model)
 
     out = _with_params(algo, average, averaged)
@@ -53,7 +57,18 @@ def evaluate(task, algo, bn_batches: int = 0) -> dict[str, float]:
         values = [o[key] for o in everyone]
         out[f"{key}_rank_min"], out[f"{key}_rank_max"] = min(values), max(values)
     out["consensus_distance"] = algo.consensus_distance()
-    return out
+    return out, evaluated
+
+
+def eval_line(step: int, total: int, result: dict[str, float]) -> str:
+    """One console line for an evaluation: its step and the averaged model's metrics (accuracies in %)."""
+    shown = []
+    for key, value in result.items():
+        if key.endswith(("_rank_min", "_rank_max")) or not isinstance(value, (int, float)):
+            continue
+        shown.append(f"{key.replace('_', ' ')} {100 * value:.2f} %" if "accuracy" in key else
+                     f"{key.replace('_', ' ')} {value:.4g}")
+    return f"step {step}/{total}: " + ", ".join(shown)
 
 
 class Progress:
