@@ -15,6 +15,7 @@ adds the alpha-beta model's cost of the operation on top of the real transfer (s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -158,24 +159,40 @@ class Communicator:
         graph = self._graphs[index][1]
         sources, dests = self._neighbors[index]
         shape = (len(sources), *send.shape)
-        key = rspec = None
+        key = None
         if out is None:
             key = ("neighbor_allgather", shape, send.dtype, send.device)
             out = self._recv_buffer(*key[:2], send)
-            rspec = self._recv_specs.get(key)
         else:
             self._check_out(out, shape, send, "neighbor_allgather")
-        sbuf = self.router.outbound("neighbor_allgather", send, hold=not blocking)
-        rbuf, land = self.router.inbound("neighbor_allgather", out, hold=not blocking)
-        if rspec is None or rbuf is not out:
-            rspec = as_bytes(rbuf)
-            if key is not None and rbuf is out and out.device.type == "cpu":
-                self._recv_specs[key] = rspec  # a cached CPU buffer MPI writes directly: its spec never changes
         nbytes = send.numel() * send.element_size()
         self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources)
 
+        def specs(sbuf, rbuf):
+            return as_bytes(sbuf), self._recv_spec(key, out, rbuf)
+
         def cost(model: CostModel) -> float:
             return model.neighbor(nbytes * len(dests), nbytes * len(sources))
+
+        return self._collective("neighbor_allgather", send, out, blocking, cost, specs,
+                                graph.Neighbor_allgather, graph.Ineighbor_allgather)
+
+    def _recv_spec(self, key, out: torch.Tensor, rbuf: torch.Tensor):
+        """The MPI buffer spec of ``rbuf``; made once for a cached CPU receive buffer MPI writes directly."""
+        rspec = self._recv_specs.get(key) if key is not None and rbuf is out else None
+        if rspec is None:
+            rspec = as_bytes(rbuf)
+            if key is not None and rbuf is out and out.device.type == "cpu":
+                self._recv_specs[key] = rspec  # its spec never changes
+        return rspec
+
+    def _collective(self, op: str, send, out, blocking: bool, cost, specs, call, icall):
+        """The template of a collective from ``send`` into ``out``: route both through host buffers where MPI
+        cannot take them, run ``call(*specs(sbuf, rbuf))`` (or start ``icall``, returning a :class:`Handle`),
+        land the result in ``out`` and return it."""
+        sbuf = self.router.outbound(op, send, hold=not blocking)
+        rbuf, land = self.router.inbound(op, out, hold=not blocking)
+        args = specs(sbuf, rbuf)
 
         def finish():
             land()
@@ -183,9 +200,9 @@ class Communicator:
             return out
 
         if blocking:
-            self._run("neighbor_allgather", cost, lambda: graph.Neighbor_allgather(as_bytes(sbuf), rspec))
+            self._run(op, cost, lambda: call(*args))
             return finish()
-        return self._handle(graph.Ineighbor_allgather(as_bytes(sbuf), rspec), finish, cost, "ineighbor_allgather")
+        return self._handle(icall(*args), finish, cost, "i" + op)
 
     def _handle(self, request, finish, cost, op: str) -> Handle:
         """A :class:`Handle` whose modelled transfer is queued on the link now."""
@@ -279,8 +296,6 @@ class Communicator:
         if out is None:
             out = self._recv_buffer("allgather", shape, send)
         self._check_out(out, shape, send, "allgather")
-        sbuf = self.router.outbound("allgather", send, hold=not blocking)
-        rbuf, land = self.router.inbound("allgather", out, hold=not blocking)
         nbytes = send.numel() * send.element_size()
         others = {p: nbytes for p in range(self.size) if p != self.rank}
         self.ledger.record("allgather", nbytes, others, others)
@@ -288,15 +303,8 @@ class Communicator:
         def cost(model: CostModel) -> float:
             return model.allgather(nbytes, self.size)
 
-        def finish():
-            land()
-            self.router.release(sbuf)
-            return out
-
-        if blocking:
-            self._run("allgather", cost, lambda: self.comm.Allgather(as_bytes(sbuf), as_bytes(rbuf)))
-            return finish()
-        return self._handle(self.comm.Iallgather(as_bytes(sbuf), as_bytes(rbuf)), finish, cost, "iallgather")
+        return self._collective("allgather", send, out, blocking, cost, _byte_specs, self.comm.Allgather,
+                                self.comm.Iallgather)
 
     def alltoall(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Send chunk k of ``send`` (split evenly along dim 0) to rank k; returns the chunks received, in rank order."""
@@ -316,8 +324,6 @@ class Communicator:
         if out is None:
             out = self._recv_buffer("alltoall", shape, send)
         self._check_out(out, shape, send, "alltoall")
-        sbuf = self.router.outbound("alltoall", send, hold=not blocking)
-        rbuf, land = self.router.inbound("alltoall", out, hold=not blocking)
         chunk = send.numel() * send.element_size() // self.size
         others = {p: chunk for p in range(self.size) if p != self.rank}
         total = send.numel() * send.element_size()
@@ -326,15 +332,8 @@ class Communicator:
         def cost(model: CostModel) -> float:
             return model.alltoall(total, self.size)
 
-        def finish():
-            land()
-            self.router.release(sbuf)
-            return out
-
-        if blocking:
-            self._run("alltoall", cost, lambda: self.comm.Alltoall(as_bytes(sbuf), as_bytes(rbuf)))
-            return finish()
-        return self._handle(self.comm.Ialltoall(as_bytes(sbuf), as_bytes(rbuf)), finish, cost, "ialltoall")
+        return self._collective("alltoall", send, out, blocking, cost, _byte_specs, self.comm.Alltoall,
+                                self.comm.Ialltoall)
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
@@ -367,6 +366,22 @@ class Communicator:
         """Collective: ``root``'s ``obj`` on every rank (pickled; for small control messages)."""
         with self.guard.waiting(what):
             return self.comm.bcast(obj, root=root)
+
+    def sleeping_barrier(self, poll_s: float = 0.05) -> None:
+        """Collective: block until every rank arrives, sleeping ``poll_s`` between tests of a non-blocking
+        barrier instead of spinning, so that waiting ranks leave their cores to one that works meanwhile.
+
+        Not booked nor charged (it is not the algorithm's traffic), and not under the hang guard: the rank
+        waited on may legitimately work for minutes (rank 0 compiling the codec kernels).
+        """
+        request = self.comm.Ibarrier()
+        while not request.Test():
+            time.sleep(poll_s)
+
+
+def _byte_specs(sbuf: torch.Tensor, rbuf: torch.Tensor) -> tuple:
+    """MPI buffer specs of a send and a receive buffer, as raw bytes."""
+    return as_bytes(sbuf), as_bytes(rbuf)
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
