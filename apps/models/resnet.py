@@ -23,23 +23,30 @@ def _norm(kind: str, channels: int) -> nn.Module:
     return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(min(8, channels), channels)
 
 
-class _CifarBlock(nn.Module):
-    """BasicBlock with an option-A shortcut (stride-2 subsample + zero channel padding)."""
+class _BasicBlock(nn.Module):
+    """Two 3x3 convolutions and a shortcut. Option A (``projection=False``, the CIFAR ResNets'): a stride-2
+    subsample and zero channel padding, no parameters. Option B (ResNet-18's): a 1x1 convolution and a norm
+    where the shape changes, the identity elsewhere."""
 
-    def __init__(self, cin: int, cout: int, stride: int, norm: str):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str, projection: bool):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
         self.bn1 = _norm(norm, cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = _norm(norm, cout)
-        self.pad = cout - cin
-        self.stride = stride
+        self.shortcut = nn.Sequential()
+        if projection and (stride != 1 or cin != cout):
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(norm, cout))
+        self.pad = 0 if projection else cout - cin  # option A's zero channels
+        self.stride = 1 if projection else stride  # option A's subsampling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual block forward."""
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        shortcut = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        shortcut = self.shortcut(x)
+        if self.stride > 1:
+            shortcut = shortcut[:, :, ::self.stride, ::self.stride]
         if self.pad:
             shortcut = F.pad(shortcut, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
         return F.relu(out + shortcut)
@@ -58,7 +65,7 @@ class CifarResNet(nn.Module):
         layers, cin = [], 16
         for cout, stride in ((16, 1), (32, 2), (64, 2)):
             for i in range(n):
-                layers.append(_CifarBlock(cin, cout, stride if i == 0 else 1, norm))
+                layers.append(_BasicBlock(cin, cout, stride if i == 0 else 1, norm, projection=False))
                 cin = cout
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(64, num_classes)
@@ -72,22 +79,6 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
 
-class _Block18(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int, norm: str):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = _norm(norm, cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = _norm(norm, cout)
-        self.shortcut = nn.Sequential()
-        if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _norm(norm, cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
-
-
 class ResNet18(nn.Module):
     """ResNet-18, CIFAR variant (3x3 stem, no max-pool), 64-128-256-512 channels."""
 
@@ -97,7 +88,8 @@ class ResNet18(nn.Module):
         self.bn = _norm(norm, 64)
         layers, cin = [], 64
         for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            layers += [_Block18(cin, cout, stride, norm), _Block18(cout, cout, 1, norm)]
+            layers += [_BasicBlock(cin, cout, stride, norm, projection=True),
+                       _BasicBlock(cout, cout, 1, norm, projection=True)]
             cin = cout
         self.layers = nn.Sequential(*layers)
         self.fc = nn.Linear(512, num_classes)
