@@ -10,12 +10,15 @@ from collections.abc import Iterator
 
 import torch
 
+from . import bitpack
+
 __all__ = [
     "CHUNK_CPU",
     "CHUNK_DEVICE",
     "check_numel",
     "chunk_elems",
     "chunk_ranges",
+    "decoded_chunks",
     "f32_chunk",
     "prepare_out",
     "read_field",
@@ -46,6 +49,26 @@ def chunk_ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
     """Yield ``(start, stop)`` covering ``range(n)`` in steps of ``step``."""
     for start in range(0, n, step):
         yield start, min(n, start + step)
+
+
+def decoded_chunks(body: torch.Tensor, bits: int, numel: int, out: torch.Tensor, step: int,
+                   table: torch.Tensor | None, convert=None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Decode the ``numel`` packed ``bits``-bit codes of ``body`` into the float32 ``out``, ``step`` elements
+    at a time, yielding each chunk's start and its slice of ``out`` once written.
+
+    With a ``table`` (the value of every code) one gather per byte writes the values; otherwise the codes
+    are unpacked into a uint8 buffer and ``convert(chunk, codes)`` writes their values into the chunk.
+    """
+    codes = None if table is not None else torch.empty(min(step, numel), dtype=torch.uint8, device=body.device)
+    for start, stop in chunk_ranges(numel, step):
+        m = stop - start
+        chunk = out[start:stop]
+        packed = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
+        if table is not None:
+            bitpack.unpack_lookup(packed, bits, m, table, chunk)
+        else:
+            convert(chunk, bitpack.unpack(packed, bits, m, out=codes[:m]))
+        yield start, chunk
 
 
 def f32_chunk(src: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import bitpack, kernels
-from ._layout import check_numel, chunk_elems, chunk_ranges, prepare_out, read_field, write_field
+from ._layout import check_numel, chunk_elems, chunk_ranges, decoded_chunks, prepare_out, read_field, write_field
 from ._rng import SeededGenerator
 from .base import Codec, check_flat_float, check_payload
 
@@ -180,25 +180,11 @@ class QSGDCodec(Codec):
             bucket = numel if self.bucket_size is None else self.bucket_size
             kernel.decode(body.numpy(), factors.numpy(), bucket, bits, out.numpy())
             return out
-        step = self._chunk(dev)
-        lookup = bits in (2, 4)  # one gather per byte beats unpack + sign-extend + convert
-        if lookup:
+        table = None
+        if bits in (2, 4):  # one gather per byte beats unpack + sign-extend + convert
             table = torch.arange(1 << bits, dtype=torch.float32, device=dev)
             table[1 << (bits - 1) :] -= 1 << bits  # two's complement code -> q
-        else:
-            codes = torch.empty(min(step, numel), dtype=torch.uint8, device=dev)
-        for start, stop in chunk_ranges(numel, step):
-            m = stop - start
-            oc = out[start:stop]
-            packed = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
-            if lookup:
-                bitpack.unpack_lookup(packed, bits, m, table, oc)
-            else:
-                cc = bitpack.unpack(packed, bits, m, out=codes[:m])
-                if bits < 8:  # sign-extend the bits-bit two's complement code to int8
-                    cc.bitwise_left_shift_(8 - bits)
-                    cc.view(torch.int8).bitwise_right_shift_(8 - bits)
-                oc.copy_(cc.view(torch.int8))
+        for start, oc in decoded_chunks(body, bits, numel, out, self._chunk(dev), table, _signed_codes(bits)):
             first = 0 if self.bucket_size is None else start // self.bucket_size
             for rows, idx in self._bucket_rows(oc):
                 rows.mul_(factors[first + idx.start : first + idx.stop, None])
@@ -206,6 +192,16 @@ class QSGDCodec(Codec):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(bits={self.bits}, bucket_size={self.bucket_size})"
+
+
+def _signed_codes(bits: int):
+    """Write ``bits``-bit two's complement codes (uint8) into a float32 chunk as the integers q they hold."""
+    def convert(chunk: torch.Tensor, codes: torch.Tensor) -> None:
+        if bits < 8:  # sign-extend the bits-bit two's complement code to int8
+            codes.bitwise_left_shift_(8 - bits)
+            codes.view(torch.int8).bitwise_right_shift_(8 - bits)
+        chunk.copy_(codes.view(torch.int8))
+    return convert
 
 
 class TernGradCodec(QSGDCodec):

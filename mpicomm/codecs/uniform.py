@@ -28,6 +28,7 @@ from ._layout import (
     check_numel,
     chunk_elems,
     chunk_ranges,
+    decoded_chunks,
     f32_chunk,
     prepare_out,
     read_field,
@@ -175,20 +176,12 @@ class UniformCodec(Codec):
             from .kernels import uniform as kuniform
             kuniform.decode(body.numpy(), np.float32(lo.item()), np.float32(delta.item()), bits, out.numpy())
             return out
-        lookup = bits in (1, 2, 4)  # one gather per byte beats unpack + convert + affine
-        if lookup:
+        table = None
+        if bits in (1, 2, 4):  # one gather per byte beats unpack + convert + affine
             table = torch.arange(self.levels + 1, dtype=torch.float32, device=dev).mul_(delta).add_(lo)
-        else:
-            codes = torch.empty(min(step, numel), dtype=torch.uint8, device=dev)
-        for start, stop in chunk_ranges(numel, step):
-            m = stop - start
-            oc = out[start:stop]
-            packed = body[start * bits // 8 : start * bits // 8 + bitpack.packed_bytes(m, bits)]
-            if lookup:
-                bitpack.unpack_lookup(packed, bits, m, table, oc)
-            else:
-                oc.copy_(bitpack.unpack(packed, bits, m, out=codes[:m]))
-                oc.mul_(delta).add_(lo)
+        for _, chunk in decoded_chunks(body, bits, numel, out, step, table, torch.Tensor.copy_):
+            if table is None:  # the codes k were written: lo + k*step
+                chunk.mul_(delta).add_(lo)
         return out
 
     def __repr__(self) -> str:
