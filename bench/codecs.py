@@ -14,11 +14,10 @@ Times are the thread's CPU time by default (``--clock cpu``: user + system, so p
 time spent descheduled by other processes does not, which keeps the ratios stable on a shared machine);
 ``--clock wall`` times elapsed time and allows ``--threads`` > 1.
 
-Targets at 16M elements (issue 14): sign and nearest uniform <= 3x copy, Moniqua <= 3.5x, stochastic
-uniform and QSGD <= 6x, top-k <= 8x, HSQ d=16 <= 12x. Moniqua is timed twice: ``ModuloCodec`` and the
-lattice codec as the Moniqua algorithm runs it (``bench/lattice_codec.py``: encode = the step's shared
-dither + the packed codes + fingerprints + x_hat for the mixing; decode = recovery against the receiver's
-model + fingerprints + x_hat into ``out``), both decoding against the input itself as the model.
+Targets at 16M elements: sign and nearest uniform <= 3x copy, Moniqua <= 3.5x, stochastic
+uniform and QSGD <= 6x, top-k <= 8x, HSQ d=16 <= 12x. Moniqua's codec (``MoniquaCodec``, one tensor, theta
+0.01) is the algorithm's: encode = the step's dither + the packed codes + fingerprints + x_hat for the
+mixing; decode = recovery against the receiver's model (the input itself) + fingerprints + x_hat into ``out``.
 """
 
 from __future__ import annotations
@@ -35,39 +34,22 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.lattice_codec import LatticeCodec  # noqa: E402
 from mpicomm.codecs import (  # noqa: E402
     HSQCodec,
     IdentityCodec,
-    ModuloCodec,
+    MoniquaCodec,
     QSGDCodec,
     RandomKCodec,
     SignCodec,
     TernGradCodec,
     TopKCodec,
     UniformCodec,
+    chunk_elems,
 )
-from mpicomm.codecs._layout import chunk_elems  # noqa: E402
+from mpicomm.flat import Layer  # noqa: E402
 
 NEAREST, MONIQUA, STOCHASTIC, TOPK, HSQ = 3.0, 3.5, 6.0, 8.0, 12.0
 TARGET_SIZE = 16 * 2**20
-
-
-class _Moniqua:
-    """Adapter giving ModuloCodec the encode(x)/decode(payload, n) shape (reference = the input)."""
-
-    def __init__(self, codec: ModuloCodec, x_ref: dict):
-        self.codec, self.ref = codec, x_ref
-        self.B = codec.b_theta(0.01)
-
-    def encode(self, x):
-        return self.codec.encode(x, self.B)
-
-    def decode(self, payload, n, out=None):
-        return self.codec.decode(payload, self.ref["x"], self.B, out=out)
-
-    def bits_per_element(self, n):
-        return self.codec.bits_per_element(n)
 
 
 def codecs(x_ref: dict) -> list[tuple[str, object, float | None]]:
@@ -88,9 +70,12 @@ def codecs(x_ref: dict) -> list[tuple[str, object, float | None]]:
         ("topk 1%", TopKCodec(0.01), TOPK),
         ("randomk 1%", RandomKCodec(0.01), None),
     ]
-    out += [(f"moniqua {b}-bit nearest", _Moniqua(ModuloCodec(b), x_ref), MONIQUA) for b in (1, 2, 4, 8)]
-    out += [(f"moniqua {b}-bit stochastic", _Moniqua(ModuloCodec(b, "stochastic"), x_ref), None) for b in (2, 8)]
-    out += [(f"moniqua lattice {b}-bit dither", LatticeCodec(b), MONIQUA) for b in (1, 4)]
+    one = [Layer("x", 0, (x_ref["x"].numel(),))]
+    out += [(f"moniqua lattice {b}-bit nearest", MoniquaCodec(one, b, rounding="nearest", theta=0.01), None)
+            for b in (1, 2, 4, 8)]
+    out += [(f"moniqua lattice {b}-bit stochastic", MoniquaCodec(one, b, rounding="stochastic", theta=0.01), None)
+            for b in (2, 8)]
+    out += [(f"moniqua lattice {b}-bit dither", MoniquaCodec(one, b, theta=0.01), MONIQUA) for b in (1, 4)]
     out.append(("hsq d=16 K=256", HSQCodec([x_ref["x"].numel()], d=16), HSQ))
     return out
 

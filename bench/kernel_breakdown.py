@@ -3,10 +3,10 @@
 
     mpiexec -n 4 python bench/kernel_breakdown.py          # all three parts (rank 0 prints)
 
-* ``frames``: Moniqua 1-bit on ResNet-20, 4 ranks on a ring, per step: building the frames, the encode
-  (``ModuloGossip._encode``, frames included) and the recoveries of both neighbours (``_decode``).
+* ``frames``: Moniqua 1-bit on ResNet-20, 4 ranks on a ring, per step: the encode (``MoniquaCodec.encode``,
+  building the frames included) and the recoveries of both neighbours (``MoniquaCodec.recover``).
 * ``hsq``: one HSQ d=16 encode and one decode of ResNet-20's layout (one process).
-* ``lattice``: Moniqua's lattice codec as the algorithm runs it (``bench/lattice_codec.py``) at 16M
+* ``lattice``: Moniqua's codec as the algorithm runs it (``MoniquaCodec``, one tensor) at 16M
   elements, with the dither and with nearest rounding, encode + decode against one copy of the tensor.
 """
 
@@ -40,12 +40,13 @@ def cpu_ms(fn, rounds: int) -> float:
 
 
 def frames_part(steps: int) -> dict:
-    """Per-step ms of Frame construction, _encode and _decode for Moniqua 1-bit, by backend (collective)."""
+    """Per-step ms of the encode and the recoveries of Moniqua 1-bit, by backend (collective)."""
     from models.resnet import build_model
     from mpi4py import MPI
 
     from mpicomm import topology
-    from mpicomm.algorithms import make_algorithm, moniqua, moniqua_frame
+    from mpicomm.algorithms import make_algorithm
+    from mpicomm.codecs import MoniquaCodec
     from mpicomm.comm import Communicator
 
     spent: dict[str, float] = {}
@@ -62,9 +63,8 @@ def frames_part(steps: int) -> dict:
         setattr(owner, name, wrapper)
         return original
 
-    saved = [(moniqua.ModuloGossip, "_encode", timed(moniqua.ModuloGossip, "_encode", "encode")),
-             (moniqua.ModuloGossip, "_decode", timed(moniqua.ModuloGossip, "_decode", "recoveries")),
-             (moniqua_frame.Frame, "__init__", timed(moniqua_frame.Frame, "__init__", "frames"))]
+    saved = [(MoniquaCodec, "encode", timed(MoniquaCodec, "encode", "encode")),
+             (MoniquaCodec, "recover", timed(MoniquaCodec, "recover", "recoveries"))]
     world, out = MPI.COMM_WORLD, {}
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     for backend in BACKENDS:
@@ -106,13 +106,14 @@ def hsq_part(rounds: int) -> dict:
 
 def lattice_part(rounds: int, n: int = 1 << 24) -> dict:
     """(encode + decode) / copy of the 1-bit lattice codec at ``n`` elements, dither and nearest (kernels)."""
-    from bench.lattice_codec import LatticeCodec
+    from mpicomm.codecs import MoniquaCodec
+    from mpicomm.flat import Layer
 
     x, dst, out = torch.randn(n) * 1e-3, torch.empty(n), torch.empty(n)
     copy = cpu_ms(lambda: dst.copy_(x), rounds)
     ratios = {}
     for rounding in ("dither", "nearest"):
-        codec = LatticeCodec(1, rounding)
+        codec = MoniquaCodec([Layer("x", 0, (n,))], 1, rounding=rounding, theta=0.01)
         payload = codec.encode(x)
         total = cpu_ms(lambda: codec.encode(x), rounds) + cpu_ms(lambda: codec.decode(payload, n, out=out), rounds)  # noqa: B023
         ratios[rounding] = total / copy

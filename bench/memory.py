@@ -9,8 +9,8 @@ Each algorithm runs as its own ``mpiexec`` job (peak RSS only grows, so jobs can
 gives degree 4, where state kept per neighbour would show), then every rank reports ``ru_maxrss``.
 Reported per algorithm: the largest rank's peak, and the excess over its baseline in the same run, in
 copies of the fp32 model (4 bytes x parameters): decentralized methods against D-PSGD, Adam-family
-ones against AllReduce-Adam, SGD-family ones against AllReduce-SGD. Targets
-(issue 14): APMSqueeze <= Adam + 2 copies; CHOCO, DCD, CPD-SGDM <= D-PSGD + 2 copies; Moniqua <= D-PSGD.
+ones against AllReduce-Adam, SGD-family ones against AllReduce-SGD. Targets:
+APMSqueeze <= Adam + 2 copies; CHOCO, DCD, CPD-SGDM <= D-PSGD + 2 copies; Moniqua <= D-PSGD.
 Writes docs/results/<output>.{md,json} (``memory`` by default).
 """
 

@@ -2,7 +2,7 @@
 
     python bench/moniqua_pull.py [--device cpu] [--repeats 40] [--out FILE.json]
 
-One process, one torch thread, two :class:`~mpicomm.algorithms.moniqua_pull.PullMessage` (a publisher
+One process, one torch thread, two :class:`~mpicomm.codecs.moniqua.MoniquaPullCodec` (a publisher
 and a reader) on the 59 tensors (272 k parameters) of ResNet-20 (apps/models), the reader's model
 within theta/2 of the publisher's. Per configuration, the median over ``--repeats`` rounds of the
 thread CPU time (``time.thread_time``; on CUDA the wall time after a synchronize as well) of the
@@ -53,10 +53,10 @@ def resnet20_layers(device):
 
 def run(label, bits, parts, rounding, layers, x, repeats, device) -> dict:
     """Median thread CPU time (and wall time) and host reads of encode, pull and mix."""
-    from mpicomm.algorithms.moniqua_pull import PullMessage
+    from mpicomm.codecs import MoniquaPullCodec
 
-    publisher = PullMessage(layers, bits, parts, rounding, seed=0, rank_seed=0, device=device)
-    reader = PullMessage(layers, bits, parts, rounding, seed=0, rank_seed=1, device=device)
+    publisher = MoniquaPullCodec(layers, bits, parts, rounding, seed=0, rank_seed=0, device=device)
+    reader = MoniquaPullCodec(layers, bits, parts, rounding, seed=0, rank_seed=1, device=device)
     sizes = [layer.numel for layer in layers]
     theta = torch.stack([t.abs().max() * 0.05 + 1e-3 for t in x.split(sizes)]).double().cpu()
     g = torch.Generator(device=device).manual_seed(1)

@@ -5,7 +5,7 @@
 One process trains ResNet-20 on the embedded digits (32 images a step, SGD lr 0.1, momentum 0.9, the
 ResNet app's data and model) and, at the given steps, computes what Moniqua's adaptive rule would set:
 ``theta = 2 C M t_mix`` with C = 1, ``M = max over all coordinates of |lr (mu buf + g)|`` (the local
-step) and ``t_mix`` of a 4-rank ring with gamma 0.5 (``mpicomm.algorithms.moniqua.mixing_time``). At
+step) and ``t_mix`` of a 4-rank ring with gamma 0.5 (``mpicomm.algorithms.moniqua.theta.mixing_time``). At
 1 bit the quantization error is about theta on every coordinate, every step. Printed per layer: the
 largest and median local step, the median |weight|, and theta over each.
 """
@@ -26,7 +26,7 @@ from models.resnet import build_model  # noqa: E402
 
 from bench.apprun import markdown_table  # noqa: E402
 from mpicomm import topology  # noqa: E402
-from mpicomm.algorithms.moniqua_theta import mixing_time  # noqa: E402
+from mpicomm.algorithms.moniqua.theta import mixing_time  # noqa: E402
 
 LR, MOMENTUM, GAMMA, RANKS = 0.1, 0.9, 0.5, 4
 

@@ -17,7 +17,7 @@ Cases run interleaved round by round (``--rounds`` x ``--steps`` timed steps eac
 each case's figure is the median over its steps of the mean over ranks. Ratios are against D-PSGD's own
 work in the same run. The codec rows time one encode + one decode (into a preallocated ``out`` where the
 codec takes one) of the codec an algorithm uses, on the whole model (272 k elements), one thread:
-the reference for the targets of issue 14 (own work of Moniqua 1-bit <= 3x D-PSGD's + its codec;
+the reference for the targets (own work of Moniqua 1-bit <= 3x D-PSGD's + its codec;
 HSQ d=16 <= 8 ms; CHOCO/APMSqueeze within 1.5x their codec). CHOCO and APMSqueeze make more codec calls
 per step than one encode + decode, by their maths, so they get a second reference, the same codec calls
 their step makes, timed alone: CHOCO one encode and 1 + degree decodes (its own payload and each
@@ -116,15 +116,15 @@ class Case:
             self.samples.append((own, t.wall - mpi_wall0, t.calls - calls0))
 
 
-def _lattice(bits: int, rounding: str, fraction: int):
-    """Moniqua's lattice codec as the algorithm runs it (``bench/lattice_codec.py``): encode + decode of
-    1/``fraction`` of the model."""
-    from bench.lattice_codec import LatticeCodec
+def _lattice(bits: int, rounding: str, fraction: int, numel: int):
+    """Moniqua's codec (``MoniquaCodec``, one tensor, theta 0.01): encode + decode of 1/``fraction`` of the model."""
+    from mpicomm.codecs import MoniquaCodec
+    from mpicomm.flat import Layer
 
-    codec = LatticeCodec(bits, rounding, theta=0.01)
+    n = numel // fraction
+    codec = MoniquaCodec([Layer("x", 0, (n,))], bits, rounding=rounding, theta=0.01)
 
     def run(x: torch.Tensor, ref: torch.Tensor, payload: torch.Tensor) -> None:
-        n = x.numel() // fraction
         codec.decode(codec.encode(x[:n]), n, out=ref[:n].clone())
     return run
 
@@ -172,9 +172,9 @@ def codec_rows(layers, numel: int, repeat: int, ranks: int) -> dict[str, float]:
     out = torch.empty_like(x)
     hsq, qsgd, sign = HSQCodec(layers, d=16), QSGDCodec(bits=4), SignCodec(scale="l2")
     rows = {
-        "lattice 1-bit nearest": _lattice(1, "nearest", 1),
-        "lattice 1-bit dither, 1/4 of the model": _lattice(1, "dither", 4),
-        "lattice 4-bit dither, 1/4 of the model": _lattice(4, "dither", 4),
+        "lattice 1-bit nearest": _lattice(1, "nearest", 1, numel),
+        "lattice 1-bit dither, 1/4 of the model": _lattice(1, "dither", 4, numel),
+        "lattice 4-bit dither, 1/4 of the model": _lattice(4, "dither", 4, numel),
         "hsq d=16": lambda x, r, p: hsq.decode(hsq.encode(x), numel, out=out),
         "qsgd 4-bit": lambda x, r, p: qsgd.decode(qsgd.encode(x), numel, out=out),
         "sign l2 (1-bit)": lambda x, r, p: sign.decode(sign.encode(x), numel, out=out),

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import topology
-from .codecs import ModuloCodec, make_codec
+from .codecs import MoniquaCodec, make_codec
 from .comm import Communicator
+from .flat import Layer
 
 __all__ = ["run_demo"]
 
@@ -41,16 +42,12 @@ def run_demo(mpi_comm, numel: int = 100_000, theta: float = 0.1) -> list[dict]:
     truths = {s: _vector(s, numel) for s in sources}
     rows = []
     cases = [(name, kwargs, make_codec(name, **kwargs)) for name, kwargs in DEMO_CODECS]
-    cases.append(("moniqua", {"bits": 1, "theta": theta}, ModuloCodec(bits=1)))
+    moniqua = MoniquaCodec([Layer("x", 0, (numel,))], bits=1, rounding="nearest", theta=theta)
+    cases.append(("moniqua", {"bits": 1, "theta": theta}, moniqua))  # decoded against this rank's own x
     for name, kwargs, codec in cases:
         before = comm.ledger.bytes_sent()
-        if name == "moniqua":
-            scale = codec.b_theta(theta)
-            got = comm.neighbor_allgather(codec.encode(x, scale))
-            decoded = [codec.decode(p, x, scale) for p in got]
-        else:
-            got = comm.neighbor_allgather(codec.encode(x))
-            decoded = [codec.decode(p, numel) for p in got]
+        got = comm.neighbor_allgather(codec.encode(x))
+        decoded = [codec.decode(p, numel) for p in got]
         errors = [float((d - truths[s]).norm() / truths[s].norm()) for d, s in zip(decoded, sources)]
         sent = comm.ledger.bytes_sent() - before
         rows.append({
@@ -62,13 +59,13 @@ def run_demo(mpi_comm, numel: int = 100_000, theta: float = 0.1) -> list[dict]:
             "first_values": [round(float(d[0]), 4) for d in decoded],
             "max_relative_error": max(errors, default=0.0),
         })
-    _print(mpi_comm, comm.rank, numel, rows)
+    _print(comm, numel, rows)
     return rows
 
 
-def _print(mpi_comm, rank: int, numel: int, rows: list[dict]) -> None:
-    everyone = mpi_comm.gather(rows, root=0)
-    if rank != 0:
+def _print(comm: Communicator, numel: int, rows: list[dict]) -> None:
+    everyone = comm.allgather_object(rows, "the demo's table")
+    if comm.rank != 0:
         return
     n = len(everyone)
     print(f"ring of {n} ranks, {numel} float32 elements per rank ({4 * numel} bytes uncompressed)\n")

@@ -30,7 +30,7 @@ if [ -n "$missing" ]; then
 fi
 # Compile the codecs' numba kernels into their on-disk cache now (once; ~20 s) rather than in a first step.
 .venv/bin/python - <<'PY'
-from mpicomm.algorithms.kernel_warmup import compile_all, kernels_cached
+from mpicomm.codecs.kernels.warmup import compile_all, kernels_cached
 if not kernels_cached():
     print("compiling mpicomm's codec kernels (numba; once, cached for later runs) …", flush=True)
     print(f"compiled in {compile_all():.1f} s", flush=True)

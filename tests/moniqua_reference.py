@@ -10,7 +10,7 @@ import math
 import numpy as np
 import torch
 
-from mpicomm.codecs.lattice import dither, stream_key
+from mpicomm.codecs.moniqua import dither, stream_key
 
 from .algo_common import make_model
 

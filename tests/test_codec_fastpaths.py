@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from mpicomm.codecs import bitpack, lattice
+from mpicomm.codecs import bitpack
+from mpicomm.codecs import moniqua as lattice
 
 MASK64 = (1 << 64) - 1
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mpicomm.algorithms import make_algorithm
-from mpicomm.algorithms.hsq import codec_seed, participants
+from mpicomm.algorithms.centralized.hsq import codec_seed, participants
 from mpicomm.codecs.hsq import HSQCodec, codebook
 from mpicomm.comm import Communicator
 from mpicomm.topology import ring

@@ -1,5 +1,5 @@
 """The kernel warm-up compiles every fused kernel, in the signatures the codecs and Moniqua really call, so
-that a run's first step compiles nothing (``mpicomm.algorithms.kernel_warmup``)."""
+that a run's first step compiles nothing (``mpicomm.codecs.kernels.warmup``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from mpicomm.algorithms import kernel_warmup
-from mpicomm.codecs import HSQCodec, ModuloCodec, QSGDCodec, TernGradCodec, UniformCodec
+from mpicomm.codecs import HSQCodec, MoniquaCodec, QSGDCodec, TernGradCodec, UniformCodec
+from mpicomm.codecs.kernels import warmup as kernel_warmup
+from mpicomm.flat import Layer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,8 +21,11 @@ COLD_CHILD = r"""
 import json, random, sys
 import numpy as np, torch
 from mpi4py import MPI
-from mpicomm.algorithms import kernel_warmup
-from mpicomm.codecs import HSQCodec, ModuloCodec, QSGDCodec, UniformCodec, bitpack
+from mpicomm import topology
+from mpicomm.codecs import HSQCodec, MoniquaCodec, QSGDCodec, UniformCodec, bitpack
+from mpicomm.codecs.kernels import warmup as kernel_warmup
+from mpicomm.comm import Communicator
+from mpicomm.flat import Layer
 
 torch.manual_seed(1); np.random.seed(2); random.seed(3)
 
@@ -33,7 +37,7 @@ def streams():
 
 cold = not kernel_warmup.kernels_cached()
 before = streams()
-kernel_warmup.prepare_kernels(MPI.COMM_SELF, torch.device("cpu"))  # what make_algorithm calls
+kernel_warmup.prepare_kernels(Communicator(MPI.COMM_SELF, topology.complete(1)), torch.device("cpu"))  # as runs do
 after = streams()
 x = torch.randn(1001, generator=torch.Generator().manual_seed(7)) * 3
 right = {}
@@ -47,12 +51,14 @@ for name, make in {"uniform 2 stochastic": lambda: UniformCodec(2, rounding="sto
             out[backend] = (payload.view(torch.uint8), codec.decode(payload, x.numel()))
     right[name] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                       for a, b in zip(out["kernels"], out["torch"]))
-with bitpack.use_backend("kernels"):
-    modulo = ModuloCodec(4)
-    got = modulo.decode(modulo.encode(x, 0.5), x, 0.5)
-with bitpack.use_backend("torch"):
-    want = ModuloCodec(4).decode(ModuloCodec(4).encode(x, 0.5), x, 0.5)
-right["modulo 4"] = torch.equal(got, want)
+moniqua = {}
+for backend in ("kernels", "torch"):
+    with bitpack.use_backend(backend):
+        codec = MoniquaCodec([Layer("x", 0, (1001,))], 4)
+        payload = codec.encode(x)
+        moniqua[backend] = (payload, codec.decode(payload, x.numel()))
+right["moniqua 4"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                         for a, b in zip(moniqua["kernels"], moniqua["torch"]))
 print(json.dumps({"cold": cold, "cached_after": kernel_warmup.kernels_cached(),
                   "unchanged": {k: before[k] == after[k] for k in before}, "right": right}))
 """
@@ -87,8 +93,9 @@ def test_warm_up_covers_every_kernel_and_the_signatures_runs_use():
     x = torch.randn(100_003, dtype=torch.float32)
     for codec in (UniformCodec(1), UniformCodec(8, rounding="stochastic"), QSGDCodec(8), TernGradCodec()):
         codec.decode(codec.encode(x), x.numel(), out=torch.empty_like(x))
-    for codec in (ModuloCodec(1), ModuloCodec(4, "stochastic")):
-        codec.decode(codec.encode(x, 0.5), x, 0.5, out=x.clone())
+    for codec in (MoniquaCodec([Layer("x", 0, (x.numel(),))], 1),
+                  MoniquaCodec([Layer("x", 0, (x.numel(),))], 4, rounding="stochastic")):
+        codec.decode(codec.encode(x), x.numel(), out=torch.empty_like(x))
     codec = HSQCodec([3000, 97_003], d=16)
     codec.decode(codec.encode(x), x.numel(), out=torch.empty_like(x))
     kernel_warmup._frames()
@@ -101,20 +108,24 @@ def test_rank_zero_compiles_and_says_so_once_while_the_others_wait(monkeypatch, 
     with the cache, nothing is printed."""
     from mpi4py import MPI
 
+    from mpicomm import topology
+    from mpicomm.comm import Communicator
+
     from .conftest import run_all
 
     comm = MPI.COMM_WORLD
+    communicator = Communicator(comm, topology.complete(comm.Get_size()))
 
     def body():
         monkeypatch.setattr(kernel_warmup, "kernels_cached", lambda: False)
-        kernel_warmup.prepare_kernels(comm, torch.device("cpu"))
+        kernel_warmup.prepare_kernels(communicator, torch.device("cpu"))
         printed = capsys.readouterr().err
         expected = 1 if comm.Get_rank() == 0 else 0
         assert printed.count("compiling the codec kernels once") == expected, printed
         assert printed.count("codec kernels compiled in") == expected, printed
         monkeypatch.setattr(kernel_warmup, "kernels_cached", lambda: True)
-        kernel_warmup.prepare_kernels(comm, torch.device("cpu"))
-        kernel_warmup.prepare_kernels(comm, torch.device("meta"))  # not a CPU: not even a broadcast
+        kernel_warmup.prepare_kernels(communicator, torch.device("cpu"))
+        kernel_warmup.prepare_kernels(communicator, torch.device("meta"))  # not a CPU: not even a broadcast
         assert capsys.readouterr().err == ""
 
     run_all(comm, body)

@@ -8,7 +8,7 @@ import torch
 from mpicomm import topology
 from mpicomm.algorithms import make_algorithm
 from mpicomm.algorithms.moniqua import ThetaBoundError
-from mpicomm.codecs.lattice import dither, stream_key
+from mpicomm.codecs.moniqua import dither, stream_key
 from mpicomm.comm import Communicator
 
 from . import lsq_problem as lsq

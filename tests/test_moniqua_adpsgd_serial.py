@@ -4,9 +4,9 @@ reference written from the equations (float64; the dither values from ``lattice.
 import pytest
 import torch
 
-from mpicomm.algorithms.adpsgd import MoniquaADPSGDConfig
-from mpicomm.algorithms.moniqua_pull import PullMessage
-from mpicomm.codecs.lattice import dither, stream_key
+from mpicomm.algorithms.moniqua import MoniquaADPSGDConfig
+from mpicomm.codecs.moniqua import MoniquaPullCodec as PullMessage
+from mpicomm.codecs.moniqua import dither, stream_key
 from mpicomm.flat import Layer
 
 from .moniqua_reference import parts_at

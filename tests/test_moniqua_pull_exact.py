@@ -18,9 +18,9 @@ agree everywhere else, and that both pulls of either message agree.
 import pytest
 import torch
 
-from mpicomm.algorithms.moniqua_pull import PullMessage
-from mpicomm.codecs import lattice
-from mpicomm.codecs._layout import chunk_ranges
+from mpicomm.codecs import chunk_ranges
+from mpicomm.codecs import moniqua as lattice
+from mpicomm.codecs.moniqua import MoniquaPullCodec as PullMessage
 from mpicomm.flat import Layer
 
 LOW31 = 0x7FFFFFFF

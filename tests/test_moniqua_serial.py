@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mpicomm import topology as topo
-from mpicomm.algorithms.adpsgd import MoniquaADPSGDConfig, expected_pull_matrix
-from mpicomm.algorithms.moniqua import MoniquaConfig
-from mpicomm.algorithms.moniqua_parts import PartLayout
-from mpicomm.algorithms.moniqua_theta import THETA_FLOOR, TensorTheta, mixing_time
-from mpicomm.codecs import lattice
+from mpicomm.algorithms.decentralized.adpsgd import expected_pull_matrix
+from mpicomm.algorithms.moniqua import MoniquaADPSGDConfig, MoniquaConfig
+from mpicomm.algorithms.moniqua.theta import THETA_FLOOR, TensorTheta, mixing_time
+from mpicomm.codecs import moniqua as lattice
+from mpicomm.codecs.moniqua import PartLayout
 from mpicomm.flat import Layer
 
 
@@ -192,7 +192,7 @@ def test_plan_runs_cover_every_code_position_once(parts, bits, chunk):
 
 def test_tensor_inf_numpy_and_torch_paths_agree():
     """max |t_l| per tensor: the numpy reduceat path and the torch path, with empty tensors (-inf), -0.0 and NaN."""
-    from mpicomm.algorithms.moniqua_parts import tensor_inf
+    from mpicomm.algorithms.moniqua.theta import tensor_inf
     from mpicomm.codecs import bitpack
 
     g = torch.Generator().manual_seed(0)

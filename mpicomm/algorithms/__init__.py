@@ -1,17 +1,7 @@
-"""Training algorithms: one module per family, each registering its classes in :data:`ALGORITHMS`.
-
-Every module of this package is imported here (in name order), so adding a file with a
-``@register``-ed class is all it takes to make an algorithm available by name.
-"""
-
-import importlib
-import pkgutil
+"""Training algorithms, one sub-package per family (see ``docs/architecture.md``), every one by name in
+:data:`ALGORITHMS` (the explicit list of :mod:`.registry`)."""
 
 from .base import Algorithm, AlgorithmConfig
 from .registry import ALGORITHMS, make_algorithm, register
-
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module not in ("base", "registry"):
-        importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["ALGORITHMS", "Algorithm", "AlgorithmConfig", "make_algorithm", "register"]

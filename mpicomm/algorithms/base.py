@@ -36,7 +36,7 @@ import torch
 from ..comm import Communicator, raise_together
 from ..flat import FlatParameters
 
-__all__ = ["Algorithm", "AlgorithmConfig", "check_range", "clone_optimizer_state"]
+__all__ = ["Algorithm", "AlgorithmConfig", "check_bool", "check_int", "check_range", "clone_optimizer_state"]
 
 
 def check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
@@ -47,6 +47,18 @@ def check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False
         left = "(-inf" if lo is None else ("(" if lo_open else "[") + str(lo)
         right = "inf)" if hi is None else str(hi) + (")" if hi_open else "]")
         raise ValueError(f"{name} must be in {left}, {right}, got {value!r}")
+
+
+def check_int(name: str, value, lo: int) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``lo``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """ValueError naming ``name`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -140,7 +152,7 @@ class Algorithm(abc.ABC):
     def _check_same_everywhere(self) -> None:
         """Collective: every rank must wrap the same architecture with the same config."""
         mine = (self.flat.signature(), repr(self.config))
-        first = self.comm.comm.bcast(mine, root=0)
+        first = self.comm.bcast_object(mine, 0, "the check that every rank built the same model and config")
         error = None
         if mine[0] != first[0]:
             error = ValueError(
@@ -149,7 +161,7 @@ class Algorithm(abc.ABC):
             )
         elif mine[1] != first[1]:
             error = ValueError(f"config mismatch: this rank has {mine[1]}, rank 0 has {first[1]}")
-        raise_together(self.comm.comm, error)
+        raise_together(self.comm, error)
 
     # ------------------------------------------------------------------ a user's optimizer
     def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -188,11 +200,11 @@ class Algorithm(abc.ABC):
             self._check_user_optimizer(optimizer)
         except ValueError as exc:
             error = exc
-        raise_together(self.comm.comm, error)
+        raise_together(self.comm, error)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         mine = repr((type(optimizer).__name__, groups))
-        first = self.comm.comm.bcast(mine, root=0)
-        raise_together(self.comm.comm, None if mine == first else ValueError(
+        first = self.comm.bcast_object(mine, 0, "the check that every rank built the same optimizer")
+        raise_together(self.comm, None if mine == first else ValueError(
             f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
         self.optimizer = optimizer
         self.user_optimizer = True

@@ -1,4 +1,4 @@
-"""A plain dict from algorithm name to class, and ``make_algorithm`` that builds one from keyword options."""
+"""The algorithms by name (an explicit list), and ``make_algorithm`` that builds one from keyword options."""
 
 from __future__ import annotations
 
@@ -6,10 +6,27 @@ import dataclasses
 
 import torch
 
+from ..codecs.kernels.warmup import prepare_kernels
 from ..comm import raise_together
 from ..errors import agreed_of
 from .base import Algorithm
-from .kernel_warmup import prepare_kernels
+from .centralized.adam import AllReduceAdam
+from .centralized.allreduce_sgd import AllReduceSGD
+from .centralized.compressed_sgd import QSGD, CompressedSGD, EFSignSGD, SignSGD, TernGrad
+from .centralized.hsq import HSQ
+from .centralized.lamb import LAMB
+from .decentralized.adpsgd import ADPSGD
+from .decentralized.choco import CHOCO
+from .decentralized.d2 import D2
+from .decentralized.dcd import DCD
+from .decentralized.dpsgd import DPSGD
+from .local.pdsgdm import CPDSGDM, PDSGDM
+from .lowrank.powergossip import PowerGossip
+from .lowrank.powersgd import PowerSGD
+from .moniqua import Moniqua, MoniquaADPSGD, MoniquaD2
+from .onebit.apmsqueeze import APMSqueeze
+from .onebit.lamb import OneBitLAMB
+from .onebit.zeroone_adam import ZeroOneAdam
 
 __all__ = ["ALGORITHMS", "make_algorithm", "register"]
 
@@ -17,11 +34,22 @@ ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: add ``cls`` to :data:`ALGORITHMS` under ``cls.name``."""
+    """Add ``cls`` to :data:`ALGORITHMS` under ``cls.name`` (usable as a class decorator for your own)."""
     if cls.name in ALGORITHMS:
         raise ValueError(f"algorithm name {cls.name!r} is registered twice")
     ALGORITHMS[cls.name] = cls
     return cls
+
+
+for _cls in (
+    DPSGD, D2, ADPSGD, CHOCO, DCD,                              # decentralized
+    Moniqua, MoniquaD2, MoniquaADPSGD,                          # Moniqua on D-PSGD, D², AD-PSGD
+    PDSGDM, CPDSGDM,                                            # local updates
+    AllReduceSGD, CompressedSGD, QSGD, TernGrad, SignSGD, EFSignSGD, AllReduceAdam, LAMB, HSQ,  # centralized
+    APMSqueeze, ZeroOneAdam, OneBitLAMB,                        # 1-bit Adam family
+    PowerSGD, PowerGossip,                                      # low rank
+):
+    register(_cls)
 
 
 def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorithm:
@@ -48,7 +76,7 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
     except (ValueError, TypeError) as exc:
         error = exc
     raise_together(comm, error)
-    prepare_kernels(comm.comm, next(model.parameters(), torch.empty(0)).device)
+    prepare_kernels(comm, next(model.parameters(), torch.empty(0)).device)
     algo = None
     try:
         algo = cls(model, comm, config)

@@ -1,8 +1,8 @@
 """Codecs: pure tensor maths turning a flat float tensor into a self-contained uint8 payload and back.
 
 No communication happens here. ``CODECS`` maps a name to a factory and ``make_codec(name, **kwargs)``
-builds one; Moniqua's ``ModuloCodec`` is not in the registry because its encode/decode also need the
-modulus B and the receiver's own model.
+builds one; Moniqua's codecs (:mod:`.moniqua`) are not in the registry because they are built for a
+model's tensors and recover a message against the receiver's own model.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import functools
 import torch
 
 from . import bitpack
+from ._layout import chunk_elems, chunk_ranges
 from .base import Codec
 from .hsq import HSQCodec
 from .identity import IdentityCodec
-from .modulo import ModuloCodec, cmod
+from .moniqua import MoniquaCodec, MoniquaPullCodec
 from .qsgd import QSGDCodec, TernGradCodec
 from .sign import SignCodec
 from .sparse import RandomKCodec, TopKCodec
@@ -26,7 +27,8 @@ __all__ = [
     "Codec",
     "HSQCodec",
     "IdentityCodec",
-    "ModuloCodec",
+    "MoniquaCodec",
+    "MoniquaPullCodec",
     "QSGDCodec",
     "RandomKCodec",
     "SignCodec",
@@ -34,7 +36,8 @@ __all__ = [
     "TopKCodec",
     "UniformCodec",
     "bitpack",
-    "cmod",
+    "chunk_elems",
+    "chunk_ranges",
     "make_codec",
 ]
 

@@ -11,10 +11,10 @@ Backends: ``"numpy"`` works on zero-copy numpy views of CPU tensors (``np.packbi
 for 1 bit, in-place ufuncs and byte lookup tables otherwise; single-threaded, so it is also what one MPI
 rank per core wants); ``"torch"`` is pure torch and is what CUDA tensors use. ``"kernels"`` is numpy plus
 the codecs' fused single-pass CPU kernels (:mod:`mpicomm.codecs.kernels`, compiled by numba), which the
-codecs use where they have one. ``"auto"`` (the default) means kernels on a CPU and torch elsewhere. All
-give identical bytes; the module default can be switched with ``use_backend("numpy")`` or
-``use_backend("torch")`` so that tests compare the kernels with the op-at-a-time paths they replace and
-exercise the device code path on a CPU.
+codecs use where they have one, and which pack and unpack widths 1, 2, 4 and 8 here. ``"auto"`` (the
+default) means kernels on a CPU and torch elsewhere. All give identical bytes; the module default can be
+switched with ``use_backend("numpy")`` or ``use_backend("torch")`` so that tests compare the kernels with
+the op-at-a-time paths they replace and exercise the device code path on a CPU.
 Widths 3, 5, 6 and 7 go through 64-bit words: 8 values of ``b`` bits are ``b`` whole bytes, assembled
 in a little-endian uint64 (the host and CUDA devices are little-endian).
 """
@@ -136,7 +136,11 @@ def pack(
     out = _prepare_out(out, packed_bytes(n, bits), values.device, "pack")
     if check and bits < 8 and n and int(values.max()) >= 1 << bits:
         raise ValueError(f"pack: values must be < 2**bits = {1 << bits}, got max {int(values.max())}")
-    if numpy_enabled(values.device, backend):
+    if kernels_enabled(values.device, backend) and 8 % bits == 0:
+        from .kernels import packing
+
+        packing.pack(values.numpy(), bits, out.numpy())
+    elif numpy_enabled(values.device, backend):
         _pack_numpy(values.numpy(), bits, out.numpy())
     else:
         _pack_torch(values, bits, out)
@@ -157,7 +161,11 @@ def unpack(
     if packed.numel() != size:
         raise ValueError(f"unpack: packed must hold packed_bytes({n}, {bits}) = {size} bytes, got {packed.numel()}")
     out = _prepare_out(out, n, packed.device, "unpack")
-    if numpy_enabled(packed.device, backend):
+    if kernels_enabled(packed.device, backend) and 8 % bits == 0:
+        from .kernels import packing
+
+        packing.unpack(packed.numpy(), bits, out.numpy())
+    elif numpy_enabled(packed.device, backend):
         _unpack_numpy(packed.numpy(), bits, n, out.numpy())
     else:
         _unpack_torch(packed, bits, n, out)

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
-from .registry import register
+from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 
 __all__ = ["AdamConfig", "AllReduceAdam"]
 
@@ -57,7 +56,6 @@ class AdamConfig(AlgorithmConfig):
             raise ValueError(f"momentum must be 0 for Adam-type algorithms (set beta1 instead), got {self.momentum!r}")
 
 
-@register
 class AllReduceAdam(Algorithm):
     """Adam (AdamW form) on the gradient averaged over all ranks by one fp32 allreduce per step."""
 

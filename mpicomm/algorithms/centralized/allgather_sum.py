@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm import Communicator
+from ...comm import Communicator
 
 __all__ = ["PayloadSum", "tree_sum"]
 

@@ -1,56 +1,20 @@
 """Centralized SGD with compressed gradients exchanged by allgather: QSGD, TernGrad, SignSGD, EF-SignSGD.
 
-Every algorithm here runs the same step on rank i (x the shared iterate, g_i the local stochastic
-gradient, C a codec seeded with ``seed + rank``, n ranks)::
+Every algorithm here runs the same step on rank i (x the shared iterate, C a codec seeded with seed + rank)::
 
-    payload_i = encode(g_i)                              (packed bytes, d-independent header inside)
-    all ranks: payloads = allgather(payload_i)           (each rank sends (n-1) * payload_bytes(d))
-    S         = sum_r decode(payload_r)                  (recursive-doubling order, see allgather_sum)
-    u         = aggregate(S)                             (mean S/n, or the majority vote sign(S))
-    u        <- u + weight_decay * x                     (x is identical everywhere: decay is not sent)
-    m <- mu m + u;  x <- x - alpha * m                   (torch.optim.SGD; plain SGD when mu = 0)
+    payloads = allgather(encode(g_i));   S = sum_r decode(payload_r)   (recursive-doubling order)
+    u = aggregate(S)                     (mean S/n, or the majority vote sign(S))
+    u <- u + weight_decay * x;   m <- mu m + u;   x <- x - alpha * m      (torch.optim.SGD)
 
-and with error feedback (EF-SGD, Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and
-other Gradient Compression Schemes", ICML 2019) the compressed quantity is the step itself::
+and with error feedback (Karimireddy et al., ICML 2019) the compressed quantity is the step itself::
 
-    p_i = alpha * g_i + e_i;   Delta_i = C(p_i);   e_i <- p_i - Delta_i      (e_i starts at 0)
-    u   = (1/n) sum_r Delta_r + alpha * weight_decay * x;   m <- mu m + u;  x <- x - m
+    p_i = alpha g_i + e_i;   Delta_i = C(p_i);   e_i <- p_i - Delta_i;   u = (1/n) sum_r Delta_r + alpha wd x
 
-Registered algorithms:
-
-* ``compressed_sgd``: any codec of ``mpicomm.codecs.CODECS`` by name, mean aggregation, optional
-  error feedback. With the lossless ``identity`` codec it is AllReduce-SGD bit for bit: the sum is
-  formed in the order MPICH's allreduce adds (any MPI for n <= 2), then divided by n as
-  ``allreduce_sgd`` does, and weight decay and the SGD step are the same code.
-* ``qsgd``: QSGDCodec(bits, bucket_size), unbiased (Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD:
-  Communication-Efficient SGD via Gradient Quantization and Encoding", NeurIPS 2017).
-* ``terngrad``: TernGradCodec, unbiased, one max-norm scale (Wen, Xu, Yan, Wu, Wang, Chen, Li,
-  "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning", NeurIPS 2017).
-* ``signsgd``: SignCodec(scale="none") and majority vote u = sign(sum_r sign(g_r)) (Bernstein, Zhao,
-  Azizzadenesheli, Anandkumar, "signSGD with Majority Vote is Communication Efficient and Fault
-  Tolerant", ICLR 2019). Encoding maps 0 to +1 (the codec's rule); a tied vote (possible only for
-  even n) gives 0, so a coordinate the ranks disagree on evenly does not move. With mu = 0 the step
-  is x <- x - alpha * (vote + weight_decay * x).
-* ``ef_signsgd``: SignCodec(scale="l1"), C(p) = (||p||_1 / d) sign(p), with error feedback.
-
-With a user optimizer (``optimizer=opt``; not with error feedback, whose compressed quantity is the
-step alpha g + e itself) the last line is ``opt.step()`` on u. ``clip_grad_norm_`` clips u (the
-aggregated direction, the same on every rank; not with error feedback).
-
-``overlap=True`` (``compressed_sgd``, ``qsgd``, ``signsgd``) encodes and ``iallgather``-s gradient buckets
-while backward is still running, DDP's buckets with their boundaries moved to multiples of the codec's
-``split_alignment`` (QSGD: bucket_size), and decodes and sums them after backward
-(:class:`~mpicomm.algorithms.overlapped_sum.OverlappedPayloadSum`). Every step of the update above is
-elementwise once the scales are known, and each QSGD scale block lies inside one bucket, so the result is
-bit-identical to the whole-gradient path, random stream included (the uniforms are drawn for the whole
-gradient at the first launch, as one encode would draw them). Refused, with a ValueError: ``terngrad``
-(one max-norm scale over the whole gradient; ``qsgd`` with bits=2 and a bucket_size is its per-bucket
-form), ``ef_signsgd`` (one l1 scale over the whole step) and any codec with a global scale (uniform,
-top-k, random-k, hsq, sign with an l1/l2 scale, qsgd with bucket_size=None). Wire bytes: each bucket's
-bit codes are padded to a whole byte, so at most one byte more per bucket than one payload.
-
-Memory beyond the model: the codec's scratch, O(log n) decode buffers, torch's momentum buffer, and
-for error feedback the error vector e (d floats). State (momentum, e, codec RNG) is in state_dict().
+``compressed_sgd``: any codec of ``mpicomm.codecs.CODECS`` (identity: ``allreduce_sgd`` bit for bit);
+``qsgd``: QSGD (Alistarh et al., NeurIPS 2017); ``terngrad``: TernGrad (Wen et al., NeurIPS 2017);
+``signsgd``: majority vote (Bernstein et al., ICLR 2019); ``ef_signsgd``: l1-scaled sign with error
+feedback. ``overlap=True`` encodes and allgathers buckets during backward, bit-identical. Details, the
+refused combinations and memory: ``docs/algorithms/centralized.md``.
 """
 
 from __future__ import annotations
@@ -60,12 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
+from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
+from ..base import Algorithm, check_range, clone_optimizer_state
+from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from .allgather_sum import PayloadSum
-from .base import Algorithm, check_range, clone_optimizer_state
-from .buckets import LaunchedTraffic, OverlapConfig
 from .overlapped_sum import OverlappedPayloadSum
-from .registry import register
 
 __all__ = [
     "CompressedSGD",
@@ -174,7 +137,6 @@ class EFSignSGDConfig(GlobalScaleConfig):
                "per bucket would be another method)")
 
 
-@register
 class CompressedSGD(LaunchedTraffic, Algorithm):
     """Allgather of codec payloads, decode and average (or vote) on every rank, then local SGD."""
 
@@ -260,7 +222,6 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
             self.error.copy_(extra["error"])
 
 
-@register
 class QSGD(CompressedSGD):
     """QSGD: unbiased ``bits``-bit stochastic quantization with a max-norm scale per bucket."""
 
@@ -274,7 +235,6 @@ class QSGD(CompressedSGD):
         return False
 
 
-@register
 class TernGrad(CompressedSGD):
     """TernGrad: gradients in max|g| * {-1, 0, +1}, stochastic and unbiased."""
 
@@ -288,7 +248,6 @@ class TernGrad(CompressedSGD):
         return False
 
 
-@register
 class SignSGD(CompressedSGD):
     """SignSGD with majority vote: step along sign(sum_r sign(g_r)) (ties give 0)."""
 
@@ -305,7 +264,6 @@ class SignSGD(CompressedSGD):
         return total.sign_()
 
 
-@register
 class EFSignSGD(CompressedSGD):
     """EF-SignSGD: error-compensated scaled sign (||p||_1/d) sign(p) of p = alpha*g + e, averaged."""
 

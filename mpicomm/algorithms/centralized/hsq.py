@@ -3,33 +3,16 @@
 Dai, Yan, Zhou, Yang, Ng, Cheng, Fan. "Hyper-Sphere Quantization: Communication-Efficient SGD for
 Federated Learning." arXiv, November 2019.
 
-Step t, with S_t the participating ranks (all ranks unless ``participation`` < 1) and Q_i rank i's
-HSQ encoder (:class:`~mpicomm.codecs.hsq.HSQCodec`, shared codebook, rank-specific random draws)::
+Step t, with S_t the participating ranks (all unless ``participation`` < 1) and Q_i rank i's HSQ encoder
+(:class:`~mpicomm.codecs.hsq.HSQCodec`, shared codebook, rank-specific random draws)::
 
     payload_i = Q_i(g_i(x))                          for i in S_t (the others send an all-zero payload)
     g_bar     = (1/|S_t|) sum_{i in S_t, rank order} decode(payload_i)  +  weight_decay * x
     m <- mu m + g_bar;   x <- x - alpha m            (torch.optim.SGD; plain SGD when mu = 0)
 
-Every rank holds the same x (rank 0's after the initial broadcast) and applies the same g_bar, so the
-models stay identical. Aggregation:
-
-* ``"allgather"``: one allgather of the payloads; every rank decodes all participants' payloads in
-  rank order and averages. Wire: B bytes contributed per rank (B = ``codec.payload_bytes``).
-* ``"server"``: the parameter-server pattern with the primitives the Communicator has: the same
-  allgather (the Communicator has no gather), rank 0 alone decodes and averages, then broadcasts
-  g_bar as float32. Wire: B per rank plus 4*numel from rank 0; strictly more than ``"allgather"``
-  and bit-identical in result. A true gather would cut the uplink to B bytes per rank in total.
-
-``participation`` = p picks m = max(1, floor(p*n)) ranks per step uniformly without replacement from
-a generator seeded with (seed, t), identical on all ranks and stateless. Non-participants do not
-encode (their codec draws do not advance) and contribute an all-zero payload of B bytes to the
-equal-size allgather; they are excluded from the average and still apply g_bar.
-
-Seeds: the codebook is built from ``seed`` on every rank; rank r's codec draws use
-``codec_seed(seed, r) = seed * 1_000_003 + r``.
-
-``optimizer=`` is refused (``ValueError``): the server momentum on the decoded average is part of
-the method; it accepts lr, momentum and weight_decay. ``clip_grad_norm_`` is refused too.
+Aggregation "allgather" (every rank decodes) or "server" (rank 0 decodes and broadcasts g_bar). Every
+rank applies the same g_bar, so the models stay identical. ``optimizer=`` and ``clip_grad_norm_`` are
+refused. Participation, seeds and wire bytes: ``docs/algorithms/hsq.md``.
 """
 
 from __future__ import annotations
@@ -39,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs.hsq import HSQCodec, check_hsq_options
-from ..comm import raise_together
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
-from .registry import register
+from ...codecs.hsq import HSQCodec, check_hsq_options
+from ...comm import raise_together
+from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 
 __all__ = ["AGGREGATIONS", "HSQ", "HSQConfig", "codec_seed", "participants"]
 
@@ -90,7 +72,6 @@ class HSQConfig(AlgorithmConfig):
         check_range("participation", self.participation, lo=0.0, hi=1.0, lo_open=True)
 
 
-@register
 class HSQ(Algorithm):
     """Synchronous SGD on the average of hyper-sphere-quantized gradients (allgather or server aggregation)."""
 
@@ -107,12 +88,12 @@ class HSQ(Algorithm):
             self.flat.layers, d=cfg.d, K=cfg.K, codebook=cfg.codebook, mode=cfg.mode, n_bit=cfg.n_bit,
             min_compress=cfg.min_compress, seed=codec_seed(cfg.seed, comm.rank), codebook_seed=cfg.seed,
         )
-        digests = comm.comm.allgather(self.codec.codebook_digest())
+        digests = comm.allgather_object(self.codec.codebook_digest(), "the check that every rank built one codebook")
         error = None
         if len(set(digests)) != 1:
             error = ValueError(f"HSQ codebooks differ across ranks (SHA-256 by rank: {digests}); every rank "
                                "must run the same torch build to build the same seeded codebook")
-        raise_together(comm.comm, error)
+        raise_together(comm, error)
         self.payload_bytes = self.codec.payload_bytes(self.flat.numel)
         self._zeros = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=self.flat.data.device)
         self._decoded = torch.empty(self.flat.numel, dtype=torch.float32, device=self.flat.data.device)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from ..shared.buckets import GradBuckets
 from .allgather_sum import tree_sum
-from .buckets import GradBuckets
 
 __all__ = ["OverlappedPayloadSum"]
 

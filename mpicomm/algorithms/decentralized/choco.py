@@ -9,29 +9,10 @@ Step t on rank i (W the mixing matrix of ``comm.topology(t)``, C the codec, gamm
     q_i = C(x_i - x̂_i);   send q_i;   x̂_j <- x̂_j + q_j   for j in N(i), own copy included
     x_i <- x_i + gamma * sum_j W_ij (x̂_j - x̂_i)
 
-Only x̂_i and s_i = sum_j W_ij x̂_j (j in N(i) and i) are stored, as in the paper's memory-efficient
-form (rows of W sum to 1, so the last line is x_i <- x_i + gamma (s_i - x̂_i)); receiving q_j adds
-W_ij q_j to s_i (:mod:`.public_sum`)::
-
-    x̂_i <- x̂_i + q_i;   s_i <- s_i + W_ii q_i + sum_{j in N(i)} W_ij q_j;   x_i <- x_i + gamma (s_i - x̂_i)
-
-This is order="atc", the paper's form; order="cta" runs the gossip lines first and the SGD step
-(with the gradient taken at the pre-gossip iterate) after them, which is D-PSGD's order. The public
-copies start at the common initial model (``broadcast_init=True``; every rank holds the same one, so
-the copies agree) or at zero (the paper's choice, used when ``broadcast_init=False``). (x̂_i, s_i) is
-kept per distinct topology of a time-varying schedule; see :mod:`.public_sum`.
-
-Traffic: ``codec.payload_bytes(d)`` to each out-neighbour per step.
-
-Memory beyond the model and the optimizer: 2 model copies (x̂_i, s_i) per distinct topology of the
-schedule, whatever the degree, plus one d-element scratch vector; received payloads are compressed.
-
-Exact reduction: with the lossless ``identity`` codec the copies would always equal the models, so
-the model itself is sent and ``x_i <- W_ii x_i + sum_j W_ij x_j`` is applied with the same
-``gossip_average`` as D-PSGD when gamma = 1. Hence CHOCO(identity, gamma=1, order="cta") is the
-registered ``dpsgd`` and CHOCO(identity, gamma=1) is PD-SGDM(period=1), bit for bit.
-
-With a user optimizer (``optimizer=opt``) its update replaces the SGD line; see :mod:`.periodic`.
+Only x̂_i and s_i = sum_j W_ij x̂_j are stored (:mod:`~mpicomm.algorithms.shared.public_sum`), per
+distinct topology of the schedule. order="atc" is the paper's; "cta" gossips first (D-PSGD's order).
+Traffic: ``codec.payload_bytes(d)`` to each out-neighbour per step. With the identity codec and gamma = 1,
+order="cta" is ``dpsgd`` bit for bit. Details: ``docs/algorithms/decentralized.md``.
 """
 
 from __future__ import annotations
@@ -40,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import check_range
-from .dpsgd import gossip_average
-from .periodic import OrderConfig, PeriodicGossip
-from .public_sum import SumGossip
-from .registry import register
-from .replicas import CodecConfig, make_rank_codec
+from ..base import check_range
+from ..shared.codec_options import CodecConfig, make_rank_codec
+from ..shared.gossip import gossip_average
+from ..shared.periodic import OrderConfig, PeriodicGossip
+from ..shared.public_sum import SumGossip
 
 __all__ = ["CHOCO", "ChocoConfig", "choco_consensus"]
 
@@ -82,7 +62,6 @@ def choco_consensus(x: torch.Tensor, gossip: SumGossip, step: int, gamma: float)
     x.add_(mixed, alpha=gamma)
 
 
-@register
 class CHOCO(PeriodicGossip):
     """CHOCO-SGD: a local SGD step, then a compressed gossip step on public copies, every step."""
 

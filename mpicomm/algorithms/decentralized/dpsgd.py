@@ -23,21 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
-from .registry import register
+from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from ..shared.gossip import gossip_average
 
-__all__ = ["DPSGD", "gossip_average"]
-
-
-def gossip_average(x: torch.Tensor, received: torch.Tensor, self_weight: float, weights) -> torch.Tensor:
-    """``x <- self_weight * x + sum_k weights[k] * received[k]`` in place; returns ``x``."""
-    x.mul_(self_weight)
-    for w, row in zip(weights, received):
-        x.add_(row, alpha=w)
-    return x
+__all__ = ["DPSGD"]
 
 
-@register
 class DPSGD(Algorithm):
     """Decentralized parallel SGD (full-precision neighbour averaging, then a local SGD step)."""
 

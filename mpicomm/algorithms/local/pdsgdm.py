@@ -4,28 +4,16 @@ Gao, Huang. "Periodic Stochastic Gradient Descent with Momentum for Decentralize
 (arXiv:2008.10435).
 
 Step t on rank i (mu = ``momentum``, p = ``period``, r = (t + 1) / p - 1 the round, W that of
-``comm.topology(r)``; see :mod:`.periodic` for the order and the round's topology)::
+``comm.topology(r)``; the order and the round's topology: :mod:`~mpicomm.algorithms.shared.periodic`)::
 
     m_i <- mu m_i + g_i;   x_i <- x_i - alpha m_i                      (torch.optim.SGD, every step)
     if (t + 1) mod p == 0:
-        PD-SGDM:   x_i <- sum_j W_ij x_j                                 (full precision)
-                   and m_i <- sum_j W_ij m_j if average_momentum
-        CPD-SGDM:  q_i = C(x_i - x̂_i);  x̂_j <- x̂_j + q_j for j in N(i);  x_i <- x_i + gamma sum_j W_ij (x̂_j - x̂_i)
-
-Whether the paper also averages the momentum buffers is unverified: ``average_momentum`` (PD-SGDM
-only, default off) does, in the same message (2d floats per neighbour). The default period p = 4
-and momentum mu = 0.9 are choices, not the paper's constants. CPD-SGDM is CHOCO-SGD's gossip
-(:mod:`.choco`) run every p-th step; with p = 1 it is CHOCO-SGD.
+        PD-SGDM:   x_i <- sum_j W_ij x_j      (and m_i <- sum_j W_ij m_j if average_momentum)
+        CPD-SGDM:  CHOCO-SGD's gossip (:mod:`~mpicomm.algorithms.decentralized.choco`)
 
 Traffic on a communication step: PD-SGDM 4d bytes (8d with average_momentum), CPD-SGDM
-``codec.payload_bytes(d)``, to each out-neighbour; nothing on the other steps.
-
-Exact reductions (same seed, bit for bit): PD-SGDM(period=1, momentum=0, order="cta") is ``dpsgd``;
-CPD-SGDM(codec="identity", gamma=1) is PD-SGDM with the same period, momentum and order, because the
-lossless path sends the model and applies the same ``gossip_average``.
-
-With a user optimizer (``optimizer=opt``) its update replaces the local SGD line (see :mod:`.periodic`);
-PD-SGDM's ``average_momentum`` needs the built-in SGD's buffer and refuses one.
+``codec.payload_bytes(d)``, to each out-neighbour; nothing otherwise. PD-SGDM(period=1, momentum=0,
+order="cta") is ``dpsgd`` bit for bit. Defaults and reductions: ``docs/algorithms/decentralized.md``.
 """
 
 from __future__ import annotations
@@ -34,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .choco import CHOCO, ChocoConfig
-from .dpsgd import gossip_average
-from .periodic import OrderConfig, PeriodicGossip, check_period
-from .registry import register
+from ..decentralized.choco import CHOCO, ChocoConfig
+from ..shared.gossip import gossip_average
+from ..shared.periodic import OrderConfig, PeriodicGossip, check_period
 
 __all__ = ["CPDSGDM", "CPDSGDMConfig", "PDSGDM", "PDSGDMConfig"]
 
@@ -63,7 +50,6 @@ class PDSGDMConfig(OrderConfig):
             raise ValueError("average_momentum=True needs momentum > 0 (there is no momentum buffer to average)")
 
 
-@register
 class PDSGDM(PeriodicGossip):
     """PD-SGDM: local momentum SGD steps and full-precision gossip every ``period``-th step."""
 
@@ -112,7 +98,6 @@ class CPDSGDMConfig(ChocoConfig):
         check_period(self.period)
 
 
-@register
 class CPDSGDM(CHOCO):
     """CPD-SGDM: local momentum SGD steps and CHOCO compressed gossip every ``period``-th step."""
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..flat import FlatParameters
+from ...flat import FlatParameters
 
 __all__ = ["LowRankLayout", "Matrix", "orthogonalize"]
 

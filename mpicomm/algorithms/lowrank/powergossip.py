@@ -3,29 +3,17 @@
 Vogels, Karimireddy, Jaggi. "PowerGossip: Practical Low-Rank Communication Compression in
 Decentralized Deep Learning", NeurIPS 2020 (Algorithm 1).
 
-Step t on rank i: a local torch SGD step (momentum, weight decay as in :mod:`.periodic`, order "atc"
-or "cta"), and one gossip round over the topology T = ``comm.topology(t)``, which must be symmetric
-(every edge is used in both directions). For every edge e = {lo, hi} of T (lo < hi) both ends keep
-the same Q_e (cols x r per matrix of :mod:`.lowrank`, no replica of the neighbour's model) and
-approximate the model difference D_e = X_lo - X_hi of every matrix with one warm-started power step::
+Step t on rank i: a local torch SGD step (:mod:`~mpicomm.algorithms.shared.periodic`), then one gossip
+round over the symmetric topology T = ``comm.topology(t)``. Both ends of every edge e = {lo, hi} keep the
+same Q_e and approximate the difference D_e = X_lo - X_hi of every matrix by one warm-started power step::
 
-    Q_e <- orthogonalize(Q_e);   send X_i Q_e to the neighbour;   P = X_lo Q_e - X_hi Q_e
-    P̂ = orthogonalize(P)  (bit-identical at both ends);   send X_i^T P̂;   Q_e <- X_lo^T P̂ - X_hi^T P̂
-    D̂_e = P̂ Q_e^T  (= P̂ P̂^T D_e)
+    Q_e <- orthogonalize(Q_e);   P = X_lo Q_e - X_hi Q_e;   P̂ = orthogonalize(P)
+    Q_e <- X_lo^T P̂ - X_hi^T P̂;   D̂_e = P̂ Q_e^T
     X_i <- X_i - gamma sum_{e = {i, j}} W_ij s_i D̂_e,     s_i = +1 if i = lo, -1 if i = hi
 
-Every edge moves its two ends by opposite amounts, so the average model is preserved exactly (up to
-rounding). Slices not worth compressing (biases; see ``min_compression_rate``) are sent in full
-precision and mixed as in D-PSGD: x_i <- x_i + gamma sum_j W_ij (x_j - x_i). The Q_e start as
-standard normal draws seeded by ``seed`` and the edge, one per undirected edge of every topology
-of the schedule (a time-varying schedule reuses an edge's Q when the edge comes back).
-
-Traffic per round and rank (deg = its number of neighbours): one ``neighbor_alltoallv`` of
-deg * 4 (p_numel + plain_numel) bytes and one of deg * 4 q_numel bytes.
-Exact reduction: with rank >= min(rows, cols) for every matrix, min_compression_rate = 0 and
-gamma = 1, D̂_e = D_e and the round is D-PSGD's x_i <- sum_j W_ij x_j to float tolerance.
-
-With a user optimizer (``optimizer=opt``) its update replaces the local SGD step; see :mod:`.periodic`.
+Every edge moves its two ends by opposite amounts, so the average is preserved. Slices not worth
+compressing are mixed in full precision. Traffic per round: two ``neighbor_alltoallv``. Details:
+``docs/algorithms/lowrank.md``.
 """
 
 from __future__ import annotations
@@ -34,11 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import check_range
-from .lowrank import LowRankLayout, orthogonalize
-from .periodic import OrderConfig, PeriodicGossip
-from .powersgd import check_int
-from .registry import register
+from ..base import check_int, check_range
+from ..shared.periodic import OrderConfig, PeriodicGossip
+from .layout import LowRankLayout, orthogonalize
 
 __all__ = ["PowerGossip", "PowerGossipConfig"]
 
@@ -62,7 +48,6 @@ class PowerGossipConfig(OrderConfig):
         check_range("epsilon", self.epsilon, lo=0.0)
 
 
-@register
 class PowerGossip(PeriodicGossip):
     """Local SGD steps and, every step, a low-rank gossip of the model differences along each edge."""
 

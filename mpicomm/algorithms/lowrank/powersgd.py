@@ -3,37 +3,17 @@
 Vogels, Karimireddy, Jaggi. "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", NeurIPS 2019 (Algorithms 1 and 2).
 
-Steps t < warmup_steps: exactly AllReduce-SGD (one fp32 allreduce of the gradient). From then on, on
-rank i, with the matrices M and the uncompressed slices u of :mod:`.lowrank`::
+Steps t < warmup_steps: exactly AllReduce-SGD. From then on, on rank i, with the matrices M and the
+uncompressed slices u of :mod:`.layout`::
 
     M_i <- g_i + e_i  (error feedback; e_i = 0 without it)    Q: warm-started (or redrawn), orthogonalized
     allreduce #1:  [P_i = M_i Q for every matrix | u_i]  ->  P = sum_i P_i,   u = (1/n) sum_i u_i
-    P̂ = orthogonalize(P);   Q_i = M_i^T P̂
-    e_i <- M_i - P̂ Q_i^T   (the part of rank i's own M the projection dropped; 0 on u)
-    allreduce #2:  Q = (1/n) sum_i Q_i;    Delta = P̂ Q^T per matrix, u elsewhere  (identical on all ranks)
+    P̂ = orthogonalize(P);   Q_i = M_i^T P̂;   e_i <- M_i - P̂ Q_i^T
+    allreduce #2:  Q = (1/n) sum_i Q_i;    Delta = P̂ Q^T per matrix, u elsewhere
     Delta <- Delta + weight_decay * x;   m <- mu m + Delta;   x <- x - alpha m      (torch.optim.SGD)
 
-With a user optimizer (``optimizer=opt``) the last line is ``opt.step()`` on Delta (its groups carry lr,
-momentum and weight decay); ``clip_grad_norm_`` clips Delta (the same on every rank).
-
-Q starts as standard normal entries from ``seed`` (the same on every rank) and, with ``warm_start``,
-is reused from step to step (redrawn every step without it). Parameters stay identical on all ranks.
-
-**Compared with torch's ``powerSGD_hook``** (the held-out reference of the tests): the options map as
-rank = ``matrix_approximation_rank``, warmup_steps = ``start_powerSGD_iter``, min_compression_rate,
-error_feedback = ``use_error_feedback``, warm_start, epsilon = ``orthogonalization_epsilon``; the
-matrices and the compression rule are the hook's. Differences: (1) the hook books the error against
-the *averaged* reconstruction (e_i = M_i - P̂ Q^T, and u_i - u on the uncompressed part), this
-follows the paper (e_i = M_i - P̂ Q_i^T, nothing on u). Every quantity of the next step is linear in
-sum_i e_i, and the two sums are equal, so the iterates agree up to rounding while e_i here is never
-polluted by other ranks' gradients. (2) The hook draws Q from a numpy seed per DDP bucket; here one
-torch generator draws every Q in parameter order. (3) The uncompressed slices ride in the same
-allreduce as P (two allreduces per step, as in the paper; the hook runs three).
-
-Traffic per compression step: allreduces of 4 (p_numel + plain_numel) and 4 q_numel bytes, each
-booked at 2 (n - 1) / n of its size (see :class:`~mpicomm.algorithms.lowrank.LowRankLayout`).
-Exact reduction: with rank >= min(rows, cols) for every matrix, min_compression_rate = 0 and no error
-feedback, P̂ P̂^T is the identity on each full-rank M and PowerSGD is AllReduce-SGD to float tolerance.
+Parameters stay identical on all ranks. How it differs from torch's ``powerSGD_hook``, traffic and
+the exact reduction: ``docs/algorithms/lowrank.md``.
 """
 
 from __future__ import annotations
@@ -42,23 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
-from .lowrank import LowRankLayout, orthogonalize
-from .registry import register
+from ..base import Algorithm, AlgorithmConfig, check_bool, check_int, check_range, clone_optimizer_state
+from .layout import LowRankLayout, orthogonalize
 
 __all__ = ["PowerSGD", "PowerSGDConfig"]
-
-
-def check_int(name: str, value, lo: int) -> None:
-    """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``lo``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-
-
-def check_bool(name: str, value) -> None:
-    """ValueError naming ``name`` unless ``value`` is a bool."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -89,7 +56,6 @@ class PowerSGDConfig(AlgorithmConfig):
         check_range("epsilon", self.epsilon, lo=0.0)
 
 
-@register
 class PowerSGD(Algorithm):
     """AllReduce-SGD warm-up, then rank-r PowerSGD with warm-started Q and error feedback."""
 

@@ -1,16 +1,12 @@
-"""Moniqua's guard: fingerprints that detect a wrapped recovery, the record of wrapped parts, the resync.
+"""Moniqua's guard: what a wrapped recovery costs, the record of wrapped parts, and the resync.
 
-A tensor's fingerprint is ``sum_c H_c (L_c mod 2^20)`` over the lattice points L_c of its part (H_c odd
-pseudo-random 20-bit weights of the flat coordinates): exact int64 arithmetic, so the sender's and a
-receiver's agree bit for bit unless some L_c differs, and a wrap moves L_c by a multiple of 2^b
-(cancelling wraps go unnoticed with probability about 2^-20). The header carries its low 31 bits.
-:func:`run_fingerprints` computes it for every run of a chunk at once (one running sum), on the
-device, so no value is read by the host.
-
-The record counts the wrapped parts per tensor and per tensor group (the first two levels of the
-parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and for one summary that rank 0
-logs at the end: the synchronous algorithms agree the wrap flags, so rank 0 speaks for all; Moniqua-AD-PSGD's
-ranks each count their own pulls, and :meth:`GuardRecord.summed` adds them up first.
+A wrap is seen by the codec's fingerprints (:mod:`mpicomm.codecs.moniqua`) before the model is touched;
+the tensor's part is then left unmixed ("skip"), mixed at full precision (:func:`resync_parts`) or the
+step raises :class:`ThetaBoundError`. The record counts the wrapped parts per tensor and per tensor group
+(the first two levels of the parameter's module path, e.g. ``layers.0``, ``fc``) for ``metrics.jsonl`` and
+for one summary that rank 0 logs at the end: the synchronous algorithms agree the wrap flags, so rank 0
+speaks for all; Moniqua-AD-PSGD's ranks each count their own pulls, and :meth:`GuardRecord.summed` adds
+them up first.
 """
 
 from __future__ import annotations
@@ -20,30 +16,16 @@ from typing import Any
 
 import torch
 
-from .dpsgd import gossip_average
+from ..shared.gossip import gossip_average
 
-__all__ = ["LOW31", "GuardRecord", "ThetaBoundError", "resync_parts", "run_fingerprints"]
+__all__ = ["GuardRecord", "ThetaBoundError", "resync_parts"]
 
 log = logging.getLogger("mpicomm.algorithms.moniqua")
 
-_HASH_MASK = (1 << 20) - 1
-LOW31 = 0x7FFFFFFF
-"""The header field is a fingerprint's low 31 bits (a non-negative int32)."""
 
 
 class ThetaBoundError(RuntimeError):
     """Moniqua's modulo recovery wrapped (|x_i - x_j|_inf exceeded the range) and ``guard="raise"``."""
-
-
-def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
-    """``sum_c H_c (L_c mod 2^20)`` over each run of coordinates ending (inclusive) at ``ends``, int64.
-
-    ``L``: the int64 lattice points, overwritten; ``hashes``: the coordinates' odd 20-bit H_c; runs are
-    consecutive and cover ``L`` from its start; ``running``: an int64 buffer of L's size for the running
-    sum. Exact: a running int64 sum (below 2^40 per term), read at the run ends and differenced.
-    """
-    sums = torch.cumsum(L.bitwise_and_(_HASH_MASK).mul_(hashes), 0, out=running)[ends]
-    return torch.diff(sums, prepend=sums.new_zeros(1))
 
 
 def resync_parts(comm, x: torch.Tensor, step: int, parts: list[tuple[int, int]]) -> None:

@@ -4,38 +4,16 @@ Tang, Gan, Rajbhandari, Lian, Liu, Zhang, He. "APMSqueeze: A Communication Effic
 Adam-Preconditioned Momentum SGD Algorithm", arXiv:2008.11343, 2020 (the basis of DeepSpeed's
 1-bit Adam: Tang et al., "1-bit Adam", ICML 2021).
 
-Warm-up, steps t = 1 .. T_w: exactly :class:`~mpicomm.algorithms.adam.AllReduceAdam` (the same
-method runs, so the iterates are bit-identical). From step T_w + 1 on, v is frozen and, on rank i::
+Warm-up, steps t = 1 .. T_w: exactly :class:`~mpicomm.algorithms.centralized.adam.AllReduceAdam`. From
+step T_w + 1 on, v is frozen and, on rank i::
 
     m_i   = b1 m + (1 - b1) g_i                     # m: the shared momentum of the last step
-    m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average (.onebit)
+    m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average
     x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = sqrt(v_Tw) / sqrt(1 - b2^T_w) + eps
 
-The exchange (worker compression per chunk, all-to-all, server compression, allgather), its padding
-and its error buffers are :class:`~mpicomm.algorithms.onebit.OneBitAverage`'s; ``worker_error``,
-``server_error``, ``chunk``, ``padded`` and ``chunk_payload`` are its attributes, shown here.
-
-Bias correction: vhat is exactly the denominator Adam used at its last warm-up step (v frozen with
-its step-T_w correction applied); m keeps Adam's 1 / (1 - b1^t) (-> 1 long before T_w ends). With an
-uncompressed exchange the compression phase would therefore be Adam with v frozen at T_w.
-
-``variant="deepspeed"`` reproduces DeepSpeed's 1-bit Adam (``OnebitAdam`` with its NCCL/MPI
-compressed allreduce) instead: (1) the worker compression uses *one* scale over the whole padded
-vector u_i, ||u_i||_2 / sqrt(D), not one per chunk (the server side keeps one scale per chunk, as
-DeepSpeed does); (2) no Adam bias correction anywhere: the warm-up is x <- x (1 - lr wd) - lr m /
-(sqrt(v) + eps) (not torch's AdamW), the frozen denominator is sqrt(v_Tw) + eps and the compression
-step is x <- x (1 - lr wd) - lr m / vhat. Padding is zeroed in both error buffers (DeepSpeed lets it
-accumulate there; it never reaches x).
-
-Bytes per compression step and rank, P = 4 + L/8 (one float32 scale + L sign bits per chunk):
-alltoall contributes n P (sends (n - 1) P), allgather contributes P (sends (n - 1) P); an fp32
-allreduce sends 2 (n - 1)/n * 4 d, i.e. 4 d / (n P) ~ 32x more. Every buffer of the compression
-phase is allocated at construction, so the switch adds no allocation, and vhat is computed in place
-in v's buffer (v is never read after the switch): beyond Adam, the method keeps the padded u_i and e_i
-and two chunk-sized server buffers, 2 + 2/n model copies.
-
-``optimizer=`` is refused (``ValueError``): the Adam of both phases is the method; its lr, beta1,
-beta2, eps and weight_decay options are what it accepts. ``clip_grad_norm_`` is refused too.
+``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
+``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
+``docs/algorithms/apmsqueeze.md``.
 """
 
 from __future__ import annotations
@@ -44,10 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .adam import AdamConfig, AllReduceAdam
-from .base import check_range
-from .onebit import OneBitAverage
-from .registry import register
+from ..base import check_range
+from ..centralized.adam import AdamConfig, AllReduceAdam
+from .average import OneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
@@ -107,7 +84,6 @@ class APMSqueezeConfig(AdamConfig):
         return max(1, round(fraction * self.total_steps))
 
 
-@register
 class APMSqueeze(AllReduceAdam):
     """AllReduce-Adam warm-up, then frozen-v momentum SGD with 1-bit two-sided error-compensated exchange."""
 

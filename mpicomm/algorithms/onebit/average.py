@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import SignCodec
+from ...codecs import SignCodec
 
 __all__ = ["OneBitAverage"]
 

@@ -1,38 +1,20 @@
 """0/1 Adam: 1-bit compressed Adam with adaptive variance freezing and local steps on a growing interval.
 
 Lu, Li, Zhang, Tang, Zhang, He. "Maximizing Communication Efficiency for Large-scale Training via
-0/1 Adam", ICLR 2023 (arXiv:2202.06009), Algorithm 1, with the schedules of DeepSpeed's
-``ZeroOneAdam`` (var_freeze_step, var_update_scaler = kappa, local_step_scaler, local_step_clipper = H).
+0/1 Adam", ICLR 2023 (arXiv:2202.06009), Algorithm 1, with the schedules of DeepSpeed's ``ZeroOneAdam``.
 
-Step t = 1, 2, ... on rank i (g_i the local gradient, Avg the error-compensated 1-bit average of
-:class:`~mpicomm.algorithms.onebit.OneBitAverage` with one worker scale, as DeepSpeed's; with
-``compression=False`` Avg is the exact fp32 mean)::
+Step t on rank i (Avg the error-compensated 1-bit average of :mod:`.average`; the exact fp32 mean with
+``compression=False``)::
 
     phase 1, t <= var_freeze_step: one shared x, m, v
-      t a variance step (t mod I_v == 0):  g = (1/n) sum_i g_i (fp32 allreduce);  v <- b2 v + (1 - b2) g^2
-      otherwise:                            g = Avg(g_i)                          (v unchanged)
-      m <- b1 m + (1 - b1) g;   x <- x (1 - lr wd) - lr m / (sqrt(v) + eps)
-      I_v starts at 1 and doubles after every var_update_scaler variance steps (T_v of the paper)
-    phase 2, t > var_freeze_step: v frozen, denom = sqrt(v) + eps; local steps, sync on T_u
-      m_i <- b1 m_i + (1 - b1) g_i;   x_i <- x_i (1 - lr wd) - lr m_i / denom;   u_i <- u_i + lr m_i
-      t a sync step (t mod I_u == 0):   ubar = Avg(u_i);   m <- ubar / sum(lr since the last sync)
-                                        x <- c x_s - ubar / denom;   x_s <- x;   u_i <- 0
-      (c = prod (1 - lr wd) over the same steps, x_s the last synchronised model);
-      I_u starts at 1 and doubles, up to local_step_clipper, every local_step_scaler steps
+      variance step (t mod I_v == 0):  g = allreduce mean of g_i;  v <- b2 v + (1 - b2) g^2
+      otherwise:                        g = Avg(g_i)
+      m <- b1 m + (1 - b1) g;   x <- x (1 - lr wd) - lr m / (sqrt(v) + eps)      (I_v doubles, T_v)
+    phase 2: v frozen; local steps x_i <- x_i (1 - lr wd) - lr m_i / denom, u_i <- u_i + lr m_i
+      sync step (t mod I_u == 0):  ubar = Avg(u_i);  m <- ubar / sum(lr);  x <- c x_s - ubar / denom
 
-No bias correction (as DeepSpeed's). Both error buffers are zeroed when phase 2 starts (they then
-hold errors of u, not of g). Differences from DeepSpeed's code: its first ``step()`` only allocates
-buffers (here step 1 is a real variance step); it recovers x_s as x - u with u including the weight
-decay moves, which leaks wd x denom into m and lets the ranks' x differ in the last bits; keeping
-x_s (d floats) makes every rank's x identical after a sync.
-
-Bytes per step and rank: a variance step is one fp32 allreduce (booked 2 (n - 1) / n * 4 d sent); a
-compressed or sync step is one 1-bit average ((n - 1) P sent in the all-to-all and (n - 1) P in the
-allgather, P = 4 + L/8); a local step sends nothing. ``stats()`` gives the kind of the last step and
-the count of each kind.
-
-``optimizer=`` is refused (``ValueError``): the frozen variance and local steps are the method;
-it accepts lr, beta1, beta2, eps and weight_decay, and refuses ``clip_grad_norm_``.
+``optimizer=`` and ``clip_grad_norm_`` are refused. The schedules, the differences from DeepSpeed's
+code and the bytes per step: ``docs/algorithms/zeroone_adam.md``.
 """
 
 from __future__ import annotations
@@ -41,11 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .adam import AdamConfig
-from .base import Algorithm
-from .onebit import OneBitAverage
-from .powersgd import check_bool, check_int
-from .registry import register
+from ..base import Algorithm, check_bool, check_int
+from ..centralized.adam import AdamConfig
+from .average import OneBitAverage
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -76,7 +56,6 @@ class ZeroOneAdamConfig(AdamConfig):
         check_bool("compression", self.compression)
 
 
-@register
 class ZeroOneAdam(Algorithm):
     """0/1 Adam: variance updated on an exponentially thinning schedule, then frozen; 1-bit momentum
     averages, and after the freeze local steps synchronised by 1-bit averages of the accumulated momentum."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, check_range
+from ..base import Algorithm, AlgorithmConfig, check_range
 
 __all__ = ["GradBuckets", "LaunchedTraffic", "OverlapConfig"]
 

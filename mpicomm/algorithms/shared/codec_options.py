@@ -1,30 +1,10 @@
 """What CHOCO, CPD-SGDM and DCD share: codec options and a rank's codec (their public state: :mod:`.public_sum`).
 
-A compressed decentralized method never sends its model. Rank i keeps a *public copy* x̂_i of its own
-model, sends ``q_i = C(target - x̂_i)``, and every rank that mixes with i adds the decoded ``q_i`` to what
-it knows of i::
-
-    q_i = C(target_i - x̂_i);   x̂_j <- x̂_j + q_j   for j in N(i) (own copy included)
-
-The sender adds the decoded bytes it sent, so what a receiver knows of x̂_j is bit-identical to j's own.
-Only the mix sum_j W_ij x̂_j is ever used, so :mod:`.public_sum` keeps that sum and x̂_i, not a copy per
-neighbour: 2 model copies per distinct topology of the schedule, whatever the degree.
-
-**Time-varying topologies.** A copy stays exact only if everyone holding it receives every message
-that advances it. With a schedule whose graphs differ, a neighbour of one step is not a neighbour of
-the next, so the public state is kept *per distinct topology* T of the schedule, advanced only at
-exchanges over T (:class:`~.public_sum.SumGossip` lists the T's). The consensus terms then sum to zero
-(W doubly stochastic), so the average is preserved. A static topology has one T.
-
-**Lossless codecs** (``identity``): x̂ <- x̂ + (target - x̂) equals target in exact arithmetic, so no
-public state is kept; :meth:`~.public_sum.SumGossip.models` sends the encoded model itself (the same
-``payload_bytes(d)`` per out-neighbour) and returns the decoded in-neighbour models, which lets the
-algorithms reduce to their full-precision baselines to the last bit.
-
-**Codec options.** ``codec`` names any codec of :func:`mpicomm.codecs.make_codec`;
-``codec_options`` is a mapping of its keyword arguments (``{"bits": 4}`` for qsgd/uniform,
-``{"ratio": 0.01}`` for topk/randomk, ``{"scale": "l1"}`` for sign). ``seed`` is not an option: a
-stochastic codec on rank r is seeded with ``config.seed + r`` (different per rank, reproducible).
+``codec`` names any codec of :func:`mpicomm.codecs.make_codec`; ``codec_options`` is a mapping of its
+keyword arguments (``{"bits": 4}`` for qsgd/uniform, ``{"ratio": 0.01}`` for topk/randomk, ``{"scale":
+"l1"}`` for sign). ``seed`` is not an option: a stochastic codec on rank r is seeded with
+``config.seed + r`` (different per rank, reproducible). A lossless codec (``identity``) keeps no public
+state: the model itself is sent, so the methods reduce to their full-precision baselines bit for bit.
 """
 
 from __future__ import annotations
@@ -34,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codecs import CODECS, Codec, make_codec
-from .base import AlgorithmConfig
+from ...codecs import CODECS, Codec, make_codec
+from ..base import AlgorithmConfig
 
 __all__ = ["CodecConfig", "check_codec", "make_rank_codec"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
 
 __all__ = ["ORDERS", "OrderConfig", "PeriodicGossip", "check_period"]
 

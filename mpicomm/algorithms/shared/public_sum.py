@@ -1,33 +1,14 @@
 """Compressed gossip that keeps the own public copy and the weighted sum of the copies, not one per neighbour.
 
-Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization and Gossip Algorithms with Compressed
-Communication", ICML 2019: CHOCO-SGD in its memory-efficient form (node i keeps x̂_i and s_i instead of
-x̂_j for every neighbour j). A compressed method never sends its model: rank i keeps a public copy
-x̂_i, sends ``q_i = C(target - x̂_i)``, and everyone who mixes with i adds the decoded q_i. Only the
-mix s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so that is what is stored::
+CHOCO-SGD's memory-efficient form (Koloskova, Stich, Jaggi, ICML 2019), shared by CHOCO, CPD-SGDM and
+DCD. Rank i keeps a public copy x̂_i and sends ``q_i = C(target - x̂_i)``; only the mix
+s_i = sum_{j in N(i) ∪ {i}} W_ij x̂_j is ever used, so that is what is stored::
 
     q_i = C(target_i - x̂_i);   x̂_i <- x̂_i + q_i;   s_i <- s_i + W_ii q_i + sum_{j in N(i)} W_ij q_j
 
-Each neighbour's payload is decoded into the one d-element scratch vector and added to s_i with its
-weight, so nothing per neighbour is model-sized. s_i equals sum_j W_ij x̂_j in exact arithmetic; in
-float32 it is that sum accumulated in a different order (one rounding per message instead of per mix).
-
-**Time-varying topologies.** A copy stays exact only if everyone who mixes it receives every message
-that advances it, so (x̂_i^T, s_i^T) is kept *per distinct topology* T of the schedule and advanced only
-at exchanges over T (as in :mod:`.replicas`). A static topology has one T.
-
-**Memory.** For each distinct topology T one ``(2, d)`` float32 tensor (row 0: x̂_i^T, row 1: s_i^T),
-whatever the degree, plus one d-element scratch vector.
-
-**Initial state** (``init``): ``"model"`` puts x̂_i = s_i = x_i (every rank starts from the same model,
-so every copy is x_i and the rows of W sum to 1); ``"zeros"`` starts both at 0 (the CHOCO paper's x̂ = 0);
-``"exchange"`` puts x̂_i = x_i and s_i = sum_j W_ij x_j after one full-precision exchange per distinct
-topology (DCD without a common start; the in-degree x d receive buffer exists during construction only).
-
-**Checkpoints.** :meth:`SumGossip.state_dict` stores the ``(2, d)`` tensors under ``"own_and_sum"``. A
-state written by the per-neighbour form (``"copies"``: ``(1 + in_degree_T, d)`` rows, own first, as
-CHOCO, CPD-SGDM and DCD wrote them before this form) is converted on load:
-s_i^T = W_ii row_0 + sum_k W_ik row_k+1, the mix those versions formed at every step.
+Each payload is decoded into one d-element scratch vector, so nothing per neighbour is model-sized.
+(x̂_i, s_i) is kept per distinct topology of the schedule (a ``(2, d)`` tensor each). Initial states,
+time-varying topologies and the checkpoint format: ``docs/algorithms/decentralized.md``.
 """
 
 from __future__ import annotations
@@ -36,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec
-from .dpsgd import gossip_average
+from ...codecs import Codec
+from .gossip import gossip_average
 
 __all__ = ["SumGossip"]
 

@@ -10,12 +10,12 @@ too (:func:`._jit.fma32`). Their bytes and values are therefore bit for bit thos
 the reference (``bitpack.use_backend("numpy")`` runs them on a CPU) and as the CUDA path
 (``tests/test_codec_kernels.py``).
 
-One module per codec family: :mod:`.uniform`, :mod:`.qsgd` (and TernGrad), :mod:`.modulo`
-(``ModuloCodec``), :mod:`.dither` and :mod:`.lattice_frame` (Moniqua's frames), :mod:`.hsq`.
+One module per codec family: :mod:`.uniform`, :mod:`.qsgd` (and TernGrad), :mod:`.moniqua` (Moniqua's
+dither and frames), :mod:`.hsq`, and :mod:`.packing` (``bitpack``'s pack and unpack).
 
 The kernels are compiled on first use and cached on disk next to this package (or under
 ``NUMBA_CACHE_DIR`` if it is read-only), so later processes load them in milliseconds;
-:mod:`mpicomm.algorithms.kernel_warmup` compiles them all ahead (about 20 s once). They run in the calling
+:mod:`.warmup` compiles them all ahead (about 20 s once). They run in the calling
 thread (``nogil``, no threading layer), which is what one MPI rank per core wants. Codecs import a kernel
 module at their first CPU call, so a process that never quantizes on a CPU never imports numba.
 """

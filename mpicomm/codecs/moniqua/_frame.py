@@ -1,9 +1,9 @@
-"""One chunk of a Moniqua message on the device: what encodes or decodes every tensor of it in one pass.
+"""One chunk of a Moniqua message (a frame): what encodes or recovers every tensor of it in one pass.
 
 :meth:`.PartLayout.plan` cuts a step's message body into chunks of code positions, each a sequence of
 runs (a tensor's part, or a gap). A :class:`Frame` holds one chunk's runs on the device with the scale,
-dither u and fingerprint weight H_c of every position, so that the lattice codec of
-:mod:`mpicomm.codecs.lattice` runs on the whole chunk at once::
+dither u and fingerprint weight H_c of every position, so that the lattice (:mod:`._lattice`) runs on
+the whole chunk at once::
 
     t  = x s + u                                   x gathered run by run, 0 in the gaps
     L  = round(t)            (stochastic: floor(x s + xi))         -> b-bit codes, fingerprints per run
@@ -11,9 +11,8 @@ dither u and fingerprint weight H_c of every position, so that the lattice codec
 
 The per-coordinate float32 operations are those of ``lattice_encode`` / ``lattice_decode`` on one
 tensor at a time (a float32 scale per position instead of one per call), and a run's fingerprint
-``sum_c H_c (L_c mod 2^20)`` is exact int64 arithmetic (:func:`.run_fingerprints`), so the results are
-bit for bit those of a tensor-by-tensor loop; nothing is read by the host. Used by the synchronous
-Moniqua (:mod:`.moniqua`) and by Moniqua-AD-PSGD's message (:mod:`.moniqua_pull`).
+``sum_c H_c (L_c mod 2^20)`` is exact int64 arithmetic, so the results are bit for bit those of a
+tensor-by-tensor loop; nothing is read by the host.
 """
 
 from __future__ import annotations
@@ -21,14 +20,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..codecs import bitpack, kernels, lattice
-from ..codecs._layout import chunk_elems, chunk_ranges
-from .moniqua_guard import run_fingerprints
-from .moniqua_parts import Chunk, PartLayout
+from .. import bitpack, kernels
+from .._layout import chunk_elems, chunk_ranges
+from . import _lattice as lattice
+from ._parts import Chunk, PartLayout
 
-__all__ = ["FRAME_CPU", "Frame", "frame_elems", "int64_pair", "message_noise", "per_run"]
+__all__ = ["FRAME_CPU", "LOW31", "Frame", "frame_elems", "int64_pair", "message_noise", "per_run",
+           "run_fingerprints"]
 
 _EMPTY = np.empty(0, dtype=np.float32)  # an absent dither, noise or distance, for the kernels
+_HASH_MASK = (1 << 20) - 1
+LOW31 = 0x7FFFFFFF
+"""The header holds a fingerprint's low 31 bits (a non-negative int32)."""
 
 FRAME_CPU = 1 << 16
 """Code positions per frame on a CPU: a frame's int64 temporaries (512 KiB each) stay in a core's L2 cache and
@@ -46,7 +49,7 @@ class Frame:
     and, after :meth:`lattice`, ``t = x s + u``.
 
     On a CPU, :meth:`encode` and :meth:`recover_into` run the fused kernels of
-    :mod:`mpicomm.codecs.kernels.lattice_frame`, which recompute u, the hashes and t per position from the
+    :mod:`mpicomm.codecs.kernels.moniqua`, which recompute u, the hashes and t per position from the
     model instead of storing them: nothing per position is kept between the encode and the recoveries, and
     the model must not change in between (it does not: the increment is applied after every recovery).
     """
@@ -80,11 +83,11 @@ class Frame:
     def _coordinates(self) -> None:
         chunk, n, dev = self.chunk, self.chunk.hi - self.chunk.lo, self.device
         if bitpack.kernels_enabled(dev):  # one pass, no coordinate tensor
-            from ..codecs.kernels import lattice_frame
+            from ..kernels import moniqua as fused
 
             self._u = None if self.key is None else torch.empty(n, dtype=torch.float32)
             self._hashes = torch.empty(n, dtype=torch.int32)
-            lattice_frame.coordinates(chunk.lo, self.lengths.numpy(), self._shifts(), self._key(),
+            fused.coordinates(chunk.lo, self.lengths.numpy(), self._shifts(), self._key(),
                                       _EMPTY if self._u is None else self._u.numpy(), self._hashes.numpy())
             return
         shift = torch.tensor(chunk.shifts, device=dev).repeat_interleave(self.lengths, output_size=n)
@@ -99,23 +102,23 @@ class Frame:
         ``factor * x̂`` written to ``out`` (one value per position).
 
         ``scale``/``inverse``: s and 1/s per tensor (:func:`per_run`). On a CPU one fused pass
-        (:func:`mpicomm.codecs.kernels.lattice_frame.encode`), bit for bit the torch ops it replaces.
+        (:func:`mpicomm.codecs.kernels.moniqua.encode`), bit for bit the torch ops it replaces.
         """
         if not self._fused(x, bits):
             L = self.lattice(x, scale, noise)
             own.index_add_(0, self.tensors, self.pack(L, bits, codes))
             torch.mul(self.value(L, self.spread(inverse)), factor, out=out)
             return
-        from ..codecs.kernels import lattice_frame
+        from ..kernels import moniqua as fused
 
         chunk, n = self.chunk, self.chunk.hi - self.chunk.lo
         points = torch.empty(n, dtype=torch.uint8)
         self._encoded = (x.detach().numpy(), self._runs(), scale.numpy())
         model, runs, s = self._encoded
         xi = _EMPTY if noise is None else noise[chunk.lo:chunk.hi].numpy()
-        lattice_frame.encode(model, xi, *runs, s, inverse.numpy(), np.float32(factor), points.numpy(), own.numpy(),
-                             out.numpy())
-        lattice_frame.pack_codes(points.numpy(), bits, codes[chunk.lo * bits // 8:chunk.hi * bits // 8].numpy())
+        fused.encode(model, xi, *runs, s, inverse.numpy(), np.float32(factor), (1 << bits) - 1, points.numpy(),
+                     own.numpy(), out.numpy())
+        bitpack.pack(points, bits, out=codes[chunk.lo * bits // 8:chunk.hi * bits // 8], check=False)
 
     def recover_into(self, codes: torch.Tensor, bits: int, inverse: torch.Tensor, weight: float,
                      fingerprints: torch.Tensor, distance: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -123,7 +126,7 @@ class Frame:
         :meth:`encode`: every run's fingerprint added to ``fingerprints`` (per tensor), ``max |L' - t|`` per
         tensor into ``distance`` (if given), and ``weight * x̂_j`` added to ``out`` (one value per position).
 
-        On a CPU one fused pass (:func:`mpicomm.codecs.kernels.lattice_frame.recover`) against the model
+        On a CPU one fused pass (:func:`mpicomm.codecs.kernels.moniqua.recover`) against the model
         :meth:`encode` read, bit for bit the torch ops it replaces.
         """
         if self._encoded is None:
@@ -135,13 +138,12 @@ class Frame:
                 distance.scatter_reduce_(0, self.positions(), torch.sub(L, self.base).abs_(), "amax")
             out.add_(self.value(L, self.spread(inverse)), alpha=weight)
             return
-        from ..codecs.kernels import lattice_frame
+        from ..kernels import moniqua as fused
 
         lo, hi = self.chunk.lo, self.chunk.hi
-        received = torch.empty(hi - lo, dtype=torch.uint8)
-        lattice_frame.unpack_codes(codes[lo * bits // 8:hi * bits // 8].numpy(), bits, received.numpy())
+        received = bitpack.unpack(codes[lo * bits // 8:hi * bits // 8], bits, hi - lo)
         model, runs, s = self._encoded
-        lattice_frame.recover(received.numpy(), model, *runs, s, inverse.numpy(), np.float32(weight),
+        fused.recover(received.numpy(), model, *runs, s, inverse.numpy(), np.float32(weight),
                               np.float32(1 << bits), fingerprints.numpy(),
                               _EMPTY if distance is None else distance.numpy(), out.numpy())
 
@@ -216,6 +218,20 @@ class Frame:
             L.sub_(self.u)
         return L.mul_(inverse)
 
+    def coordinate_start(self) -> int | None:
+        """The flat coordinate of the frame's first position when the frame is one run of one tensor's part
+        (its positions then map onto consecutive coordinates), else None."""
+        starts = self.chunk.starts
+        return starts[0] if len(starts) == 1 else None
+
+    def place(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy ``values`` (one per position) of every tensor run to its coordinates of the flat ``out``."""
+        p = 0
+        for n, a in zip(self.chunk.lengths, self.chunk.starts):
+            if a is not None:
+                out[a:a + n].copy_(values[p:p + n])
+            p += n
+
     def parts(self, values: torch.Tensor, out: torch.Tensor) -> int:
         """Copy ``values`` (one per position) of the runs that are tensor parts, not gaps, in order, to the head
         of ``out``; return how many. One gather whose index is built on the device (no host read)."""
@@ -258,3 +274,16 @@ def message_noise(layout: PartLayout, step: int, chunk: int, generator, device) 
         for lo, hi in chunk_ranges(stop - start, chunk):
             generator.uniform_(noise[position + lo:position + hi])
     return noise
+
+
+def run_fingerprints(L: torch.Tensor, hashes: torch.Tensor, ends: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    """``sum_c H_c (L_c mod 2^20)`` over each run of coordinates ending (inclusive) at ``ends``, int64.
+
+    ``L``: the int64 lattice points, overwritten; ``hashes``: the coordinates' odd 20-bit H_c; runs are
+    consecutive and cover ``L`` from its start; ``running``: an int64 buffer of L's size for the running
+    sum. Exact: a running int64 sum (below 2^40 per term), read at the run ends and differenced. A wrap
+    moves some L_c by a multiple of 2^b, so a receiver's fingerprint differs from the sender's (cancelling
+    wraps go unnoticed with probability about 2^-20).
+    """
+    sums = torch.cumsum(L.bitwise_and_(_HASH_MASK).mul_(hashes), 0, out=running)[ends]
+    return torch.diff(sums, prepend=sums.new_zeros(1))

@@ -1,7 +1,4 @@
-"""Moniqua's modulo codec on an integer lattice, with an optional shared subtractive dither.
-
-Lu, De Sa. "Moniqua: Modulo Quantized Communication in Decentralized SGD." ICML 2020 (modulo recovery);
-subtractive dither: Schuchman 1964, Gray & Stockham 1993.
+"""Moniqua's integer lattice with a shared subtractive dither, on one chunk of coordinates at a time.
 
 In grid units (s = 2^b / B, B the modulus, u the dither in [-1/2, 1/2), 0 without one)::
 
@@ -10,20 +7,11 @@ In grid units (s = 2^b / B, B the modulus, u the dither in [-1/2, 1/2), 0 withou
     receiver:  L' = k + 2^b round((r s + u - k) / 2^b)      r: the receiver's own model
     value:     x̂ = (L' - u) / s        (the sender computes its own x̂ from L by the same float ops)
 
-With the dither, x̂ - x = (L - u - x s)/s is uniform on [-1/2, 1/2)/s, independent of x and zero-mean:
-no dead zone where two ranks in one cell feel no pull. L' = L exactly when |L - r s - u| < 2^(b-1), which
-|x - r| < theta guarantees for ``B = 2 theta / (1 - 2 delta)``, delta = 2^-(b+1) (nearest, dithered) or
-2^-b (stochastic; refused at 1 bit where B would be infinite). A wrap makes L' differ from L by a
-multiple of 2^b, so a fingerprint of the integers L (sender) and L' (receiver) detects it.
-
-The dither is drawn from a counter-based generator keyed by (seed, step, flat coordinate), so sender and
-receivers regenerate it bit for bit and it costs zero bytes and no state. It is the same for every
-sender (not keyed by the sender): two ranks holding the same value then get the same x̂ and feel no
-noise, and in expectation over u the difference x̂_j - x̂_i is exactly x_j - x_i (a subtractive dither
-shared by both sides of a difference), so the quantization noise vanishes at consensus instead of
-keeping the ranks about one grid step apart (measured on the test MLP: 1 bit with a dither per sender
-wraps at any theta, the noise alone pushing neighbours ~theta apart). Every function works
-on one chunk of coordinates (the caller chunks); float32 holds L exactly for |L| < 2^24.
+L' = L exactly when |x - r| < theta for ``B = 2 theta / (1 - 2 delta)``. The dither is keyed by (seed,
+step, flat coordinate), the same for every sender, so it costs no bytes and cancels in x̂_j - x̂_i. Why
+the dither is shared, and the float32 argument: ``docs/algorithms/moniqua.md``. The per-tensor functions
+here (:func:`lattice_encode`, :func:`lattice_decode`, :func:`lattice_value`) are the reference form of
+what the frames (:mod:`._frame`) compute on many tensors at once.
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import bitpack
+from .. import bitpack
 
 __all__ = ["DITHER_CHUNK", "ROUNDINGS", "coordinate_hashes", "delta", "dither", "lattice_decode", "lattice_encode",
            "lattice_value", "stream_key"]
@@ -93,7 +81,7 @@ def dither(key: int, coords: torch.Tensor, out: torch.Tensor | None = None) -> t
     """u in [-1/2, 1/2) (float32, multiples of 2^-24) at the flat coordinates ``coords`` (int64) of stream ``key``.
 
     u = (bits 40..63 of splitmix64's finaliser of ``coords * golden + key``) * 2^-24 - 1/2, computed in
-    one pass on a CPU (:mod:`mpicomm.codecs.kernels.dither`), else in slices of ``DITHER_CHUNK`` coordinates
+    one pass on a CPU (:mod:`mpicomm.codecs.kernels.moniqua`), else in slices of ``DITHER_CHUNK`` coordinates
     (numpy's uint64 ufuncs with ``bitpack.use_backend("numpy")``, torch elsewhere): the same bits.
     Written into ``out`` (a contiguous float32 tensor of ``coords.numel()`` elements) if given.
     """
@@ -104,7 +92,7 @@ def dither(key: int, coords: torch.Tensor, out: torch.Tensor | None = None) -> t
     elif out.shape != (n,) or out.dtype != torch.float32 or out.device != dev or not out.is_contiguous():
         raise ValueError(f"dither: out must be a contiguous float32 tensor of {n} elements on {dev}")
     if bitpack.kernels_enabled(dev):
-        from .kernels.dither import dither as fused
+        from ..kernels.moniqua import dither as fused
         fused(np.uint64(key & _MASK64), coords.numpy(), out.numpy())
         return out
     m = min(n, DITHER_CHUNK)
@@ -186,7 +174,3 @@ def _code_table(bits: int, device: torch.device) -> torch.Tensor:
         _CODE_TABLES[key] = torch.arange(1 << bits, dtype=torch.float32, device=device)
     return _CODE_TABLES[key]
 
-
-def packed_bytes(numel: int, bits: int) -> int:
-    """Bytes of ``numel`` packed codes."""
-    return bitpack.packed_bytes(numel, bits)

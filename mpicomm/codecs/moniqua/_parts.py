@@ -9,7 +9,7 @@ rounded up to a multiple of 4 bytes.
 The body after the header holds ``Q = 8 (message bytes - 4 T) / b`` code positions (b in 1, 2, 4, 8
 divides 8, so every slot starts on a code position). :meth:`PartLayout.plan` describes them at a step
 as runs: a tensor's part, or a gap (the unused end of a slot, the final rounding), cut into chunks of
-at most ``chunk`` positions. The algorithm encodes and decodes a whole chunk in one pass of tensor
+at most ``chunk`` positions. The codec encodes and decodes a whole chunk in one pass of tensor
 operations, whatever the number of tensors: a gap is encoded as the value 0, whose code is 0 and
 whose lattice point is 0 under any dither in [-1/2, 1/2), so it changes no fingerprint.
 """
@@ -17,16 +17,13 @@ whose lattice point is 0 under any dither in [-1/2, 1/2), so it changes no finge
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..codecs import bitpack
-from ..codecs.lattice import packed_bytes
+from ..bitpack import packed_bytes
 
-__all__ = ["FINGERPRINT_BYTES", "Chunk", "PartLayout", "local_step_sizes", "tensor_inf"]
+__all__ = ["FINGERPRINT_BYTES", "Chunk", "PartLayout"]
 
 FINGERPRINT_BYTES = 4
 """Header bytes per tensor (an int32 fingerprint of its part)."""
@@ -117,38 +114,3 @@ class PartLayout:
                              tuple(p[3] for p in pieces), tuple(ends)))
         return out
 
-
-def tensor_inf(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``||t_l||_inf`` of every tensor t_l of the flat vector ``flat`` (sizes ``sizes``), float64 on the host.
-
-    On a CPU (numpy enabled, see :func:`~mpicomm.codecs.bitpack.numpy_enabled`): ``max(max t_l, -min t_l)``
-    by one ``reduceat`` each, no temporary of the model's size (7x faster than one ``amax`` per tensor,
-    which ``segment_reduce`` and ``vector_norm(ord=inf)`` are slower still). Elsewhere one ``abs`` pass and
-    one ``amax`` per tensor. An empty tensor gives -inf; NaN propagates.
-    """
-    if bitpack.numpy_enabled(flat.device):
-        values = flat.detach().numpy()
-        starts = np.cumsum([0, *sizes[:-1]])
-        full = np.asarray(sizes) > 0
-        out = np.full(len(sizes), -np.inf)
-        if full.any():
-            top = np.maximum.reduceat(values, starts[full])
-            out[full] = np.maximum(top, -np.minimum.reduceat(values, starts[full])) + 0.0  # -0.0 -> 0.0
-        return torch.from_numpy(out)
-    magnitude = flat.detach().abs()
-    return torch.stack([t.amax() if t.numel() else t.new_full((), -math.inf)
-                        for t in magnitude.split(sizes)]).double().cpu()
-
-
-def local_step_sizes(grad: torch.Tensor, lr: float, optimizer, sizes: list[int]) -> torch.Tensor:
-    """``||lr (mu buf + grad)_l||_inf`` per tensor: the local SGD step about to be taken (theta's statistic).
-
-    ``buf`` is the torch SGD ``optimizer``'s momentum buffer (None, or no momentum: ``lr ||grad_l||_inf``).
-    """
-    buf, mu = None, 0.0
-    if optimizer is not None:
-        group = optimizer.param_groups[0]
-        mu = group["momentum"]
-        buf = optimizer.state.get(group["params"][0], {}).get("momentum_buffer") if mu else None
-    step = grad if buf is None else torch.add(grad, buf, alpha=mu)
-    return tensor_inf(step, sizes) * lr

@@ -1,69 +1,56 @@
-"""Moniqua-AD-PSGD's message: a rank's model on its own grid per tensor, and a reader's check-then-mix pull of it.
-
-Lu, De Sa. "Moniqua: Modulo Quantized Communication in Decentralized SGD." ICML 2020 (Moniqua-AD-PSGD).
+"""Moniqua's message made self-describing, for one-sided reads (Moniqua-AD-PSGD).
 
 A rank publishes after each of its steps; v is its step count then (its version). The message, T tensors::
 
     version   int64       v (-1: nothing published yet)            } prefix, 8 + 4 T bytes
     scale     float32[T]  s_l = 2^b (1 - 2 delta) / (2 theta_l)    }
-    fp        int32[T]    low 31 bits of sum_c H_c (L_c mod 2^20)  } a :class:`.PartLayout` message of
-    slots                 b-bit codes L_c mod 2^b, part (v + l) mod P   } the same parts and bits
+    fp, slots             the synchronous message of step v (:mod:`._codec`) on the grid s_l
 
-with L_c = round(x_c s_l + u_c), u_c the dither keyed by (seed, v, c) (:mod:`mpicomm.codecs.lattice`).
-Everything a reader needs travels in the header: it recovers tensor l on the *publisher's* grid s_l, the
-publisher's part of step v, with the publisher's dither stream (key (seed, v)): no collective, no
-agreement between ranks. Reader i with model x_i, pulling publisher j's message, on every tensor's part::
+A reader i with model x_i recovers publisher j's tensor l on j's grid, part and dither (all in the
+header: no collective), checks every fingerprint before touching x_i, then mixes the tensors that passed::
 
-    L'_j = k + 2^b round((x_i s_l + u - k) / 2^b)     (j's lattice point, if |x_i - x_j| < theta_l)
-    L_i  = round(x_i s_l + u)                          (i's own point on j's grid, same dither)
-    check: fingerprint of L'_j == j's fp_l, for every tensor, before x_i is touched
-    mix:   x_i[S_l] += alpha (L'_j - L_i) / s_l        only on the tensors that passed
+    L'_j = k + 2^b round((x_i s_l + u - k) / 2^b),   L_i = round(x_i s_l + u)
+    x_i[S_l] += alpha (L'_j - L_i) / s_l             (= alpha (x̂_j - x̂_i): the shared dither cancels)
 
-``(L'_j - L_i) / s_l = x̂_j - x̂_i``: the shared dither cancels, two ranks holding the same value feel no
-pull, and E_u[x̂_j - x̂_i] = x_j - x_i (subtractive dither). With stochastic rounding (no dither) each
-side's point is floor(x s + xi) with its own generator (xi drawn tensor by tensor, chunk by chunk of its part).
-
-Work per encode and per pull: frame by frame over the body's code positions at version v
-(:meth:`.PartLayout.plan`, frames of 2^16 positions on a CPU), every tensor of a frame in one pass of tensor
-operations with a scale, dither and fingerprint weight per position (:class:`.Frame`, shared with the
-synchronous :mod:`.moniqua`), so the number of operations does not grow with the number of tensors. The
-fingerprints are summed and compared on x's device; the host reads the version and then the wrap flags,
-once per pull, nothing per tensor or frame. Results are bit for bit those of a tensor-by-tensor loop (same
-float32 operations per coordinate); the unused end of a slot holds code 0.
+The host reads the version and then the wrap flags, once per pull; results are bit for bit those of a
+tensor-by-tensor loop. The unused end of a slot holds code 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..codecs import lattice
-from ..codecs._layout import chunk_elems
-from ..codecs._rng import SeededGenerator
-from .moniqua_frame import Frame, frame_elems, message_noise, per_run
-from .moniqua_guard import LOW31
-from .moniqua_parts import PartLayout
+from ..base import Codec
+from ._codec import PartsMessage
+from ._frame import LOW31, Frame, frame_elems, per_run
 
-__all__ = ["PullMessage"]
+__all__ = ["MoniquaPullCodec"]
 
 
-class PullMessage:
-    """The message format of Moniqua-AD-PSGD: :meth:`encode` a model into it, :meth:`pull` a peer's from it."""
+class MoniquaPullCodec(PartsMessage, Codec):
+    """Moniqua-AD-PSGD's message: :meth:`encode` a model into it, :meth:`pull` a peer's from it and :meth:`mix`.
+
+    Arguments as :class:`~._codec.PartsMessage`. Frames of :func:`._frame.frame_elems` code positions.
+    """
+
+    name = "moniqua_pull"
 
     def __init__(self, layers, bits: int, parts: int, rounding: str, seed: int, rank_seed: int, device):
-        self.layout = PartLayout(layers, parts, bits)
-        self.bits, self.seed, self.count = bits, seed, self.layout.count
+        super().__init__(layers, bits, parts, rounding, seed, rank_seed, device)
         self.prefix = 8 + 4 * self.count
         self.nbytes = self.prefix + self.layout.message_bytes
-        self.delta = lattice.delta(bits, rounding)
-        self.dithered = rounding == "dither"
-        self.noise = SeededGenerator(rank_seed) if rounding == "stochastic" else None
-        self.chunk = chunk_elems(torch.device(device))  # stochastic rounding draws its xi per piece of a part this long
         self.frame = frame_elems(torch.device(device))  # code positions per Frame
+        self._model: torch.Tensor | None = None
+
+    def payload_bytes(self, numel: int) -> int:
+        """The message's bytes: the prefix and the synchronous message."""
+        self._check_numel(numel, "MoniquaPullCodec.payload_bytes")
+        return self.nbytes
 
     # ------------------------------------------------------------------ header fields
     def scales(self, theta: torch.Tensor) -> torch.Tensor:
         """float32 s_l = 2^b (1 - 2 delta) / (2 theta_l) of float64 ``theta``: the grid the header carries."""
-        return ((1 << self.bits) * (1.0 - 2.0 * self.delta) / (2.0 * theta)).float()
+        return self.grid(theta).float()
 
     def thetas(self, scales: torch.Tensor) -> torch.Tensor:
         """theta_l (float64) of the header's ``scales``: the inverse of :meth:`scales`."""
@@ -106,6 +93,7 @@ class PullMessage:
             frame = Frame(chunk, dev, key)
             own.index_add_(0, frame.tensors, frame.pack(frame.lattice(x, scale, noise), self.bits, codes))
         self.layout.header(body).copy_(own[:-1].bitwise_and_(LOW31))
+        self._model = x
 
     def pull(self, message: torch.Tensor, x: torch.Tensor,
              version: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,13 +135,13 @@ class PullMessage:
                 x[start:stop].add_(increment[at:at + stop - start], alpha=alpha)
             at += stop - start
 
-    # ------------------------------------------------------------------ helpers
-    def _key(self, version: int) -> int | None:
-        return lattice.stream_key(self.seed, version) if self.dithered else None
-
-    def _noise(self, version: int, device) -> torch.Tensor | None:
-        """xi ~ U(0, 1) of stochastic rounding at every code position of ``version``'s message, from this rank's
-        generator, drawn tensor by tensor and chunk by chunk of its part (None for the other roundings)."""
-        if self.noise is None:
-            return None
-        return message_noise(self.layout, version, self.chunk, self.noise, device)
+    def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """What a reader holding the model last encoded takes from ``payload`` at alpha = 1: that model plus
+        x̂_j - x̂_i on the parts of the tensors that did not wrap (float32, into ``out``)."""
+        self._check_numel(numel, "MoniquaPullCodec.decode")
+        out = self._model.detach().clone() if out is None else out.copy_(self._model)
+        version = self.version(payload)
+        if version >= 0:
+            increment, wrapped = self.pull(payload, self._model, version)
+            self.mix(out, version, increment, wrapped, 1.0)
+        return out

@@ -1,0 +1,1 @@
+"""Decentralized methods: every rank mixes its model with its neighbours' (D-PSGD, D², AD-PSGD, CHOCO, DCD)."""

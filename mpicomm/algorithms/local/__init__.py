@@ -1,0 +1,1 @@
+"""Local-update methods: several local steps between communications (PD-SGDM, CPD-SGDM)."""

@@ -1,0 +1,1 @@
+"""Low-rank compression by power iteration: PowerSGD (centralized) and PowerGossip (decentralized)."""

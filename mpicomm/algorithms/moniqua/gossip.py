@@ -1,0 +1,137 @@
+"""Moniqua's mixing on one rank: theta agreed, the message encoded and recovered, the guard, then the mix.
+
+Step k (W the mixing matrix of ``comm.topology(k)``, S_l the part of tensor l sent at step k)::
+
+    q_i = MoniquaCodec.encode(x_i, k, theta)              sent to the out-neighbours in one collective
+    x̂_j = recovery of q_j against x_i, for j in N(i) and j = i       (check: nothing touched yet)
+    w_l = max over ranks and edges of [fingerprint mismatch on S_l]  (one allreduce(max) with theta's inputs)
+    x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i)                        only for tensors with w_l = 0 (then mix)
+
+The guard's options and why the average stays exact: ``docs/algorithms/moniqua.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...codecs.moniqua import MoniquaCodec
+from ..shared.gossip import gossip_average
+from .config import IDENTITY_BITS, MoniquaConfig
+from .guard import GuardRecord, ThetaBoundError, resync_parts
+from .theta import TensorTheta, local_step_sizes, mixing_time, tensor_inf
+
+__all__ = ["ModuloGossip"]
+
+
+class ModuloGossip:
+    """Moniqua's mixing ``x[S] += gamma sum_j W_ij (x̂_j - x̂_i)`` on one rank, with theta per tensor and guard."""
+
+    def __init__(self, comm, config: MoniquaConfig, flat):
+        self.comm, self.config, self.gamma = comm, config, config.gamma
+        self.identity = config.bits == IDENTITY_BITS
+        self.record = GuardRecord([layer.name for layer in flat.layers])
+        if self.identity:
+            return
+        device = flat.data.device
+        self.codec = MoniquaCodec(flat.layers, config.bits, config.parts, config.rounding, seed=config.seed,
+                                  rank_seed=config.seed + comm.rank, device=device)
+        self.layout = self.codec.layout
+        self.rule = TensorTheta(self.layout.count, config, config.parts * mixing_time(comm.schedule, config.gamma))
+        self.send = torch.zeros(self.layout.message_bytes, dtype=torch.uint8, device=device)
+
+    def step_sizes(self, grad: torch.Tensor, lr: float, optimizer=None) -> torch.Tensor:
+        """``||lr (mu buf + grad)_l||_inf`` per tensor: the local step about to be taken (theta's statistic)."""
+        if self.identity:
+            return torch.zeros(0)
+        return local_step_sizes(grad, lr, optimizer, self.layout.sizes)
+
+    def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
+        """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""
+        topo, rank = self.comm.topology(step), self.comm.rank
+        self.record.steps += 1
+        if self.identity:
+            rows = self.comm.neighbor_allgather(x, step=step)
+            _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
+            return False
+        statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.sizes))
+        if not self.rule.ready():
+            self.rule.observe(self._agree(statistic))
+        theta = self.rule.theta()
+        self.last_theta = theta
+        # the increment, per code position, starts at -sum_j W_ij x̂_i and gains W_ij x̂_j per row
+        increment = torch.empty(self.layout.codes, dtype=torch.float32, device=x.device)
+        weights = topo.neighbor_weights(rank)
+        self.codec.encode(x, step, theta, self.send, mixing=increment, factor=-math.fsum(weights))
+        rows = self.comm.neighbor_allgather(self.send, step=step)
+        local = self.codec.recover(rows, weights, increment, observed=self.rule.observed).cpu()
+        count = self.layout.count
+        agreed = self._agree(torch.cat([local[:count], statistic, local[count:]]))
+        wrapped = agreed[:count] > 0
+        self.rule.observe(agreed[count:2 * count])
+        if self.rule.observed:
+            self.rule.observe_distance(agreed[2 * count:], wrapped)
+        flags = wrapped.tolist()
+        if any(flags) and self.config.guard == "raise":
+            raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
+        for flag, (start, stop), position in zip(flags, self.layout.parts_at(step), self.layout.positions):
+            if not flag:
+                x[start:stop].add_(increment[position:position + stop - start], alpha=self.gamma)
+        if any(flags):
+            self.record.add(wrapped)
+            if self.config.guard == "resync":
+                resync_parts(self.comm, x, step, [self.layout.part(t, step) for t, w in enumerate(flags) if w])
+                self.record.resyncs += 1
+        self.rule.guard(wrapped)
+        return any(flags)
+
+    def _agree(self, values: torch.Tensor) -> torch.Tensor:
+        return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
+
+    def close(self) -> None:
+        """Rank 0 logs one summary of the guard's wrapped parts (see :class:`GuardRecord`)."""
+        self.record.summarise(self.comm.rank, self.config.guard)
+
+    # ------------------------------------------------------------------ stats and state
+    def metrics(self) -> dict[str, Any]:
+        """For ``metrics.jsonl``: the largest theta and the wrapped parts per tensor group, and their total."""
+        if self.identity or not hasattr(self, "last_theta"):
+            return {}
+        return self.record.metrics(self.last_theta)
+
+    def stats(self) -> dict[str, Any]:
+        """gamma, theta's range and the guard's counters."""
+        out = {"gamma": self.gamma, "wrapped_parts": self.record.total(), "resyncs": self.record.resyncs}
+        if not self.identity and hasattr(self, "last_theta"):
+            out.update(theta_min=float(self.last_theta.min()), theta_max=float(self.last_theta.max()),
+                       theta_scale_max=float(self.rule.scale.max()))
+            if self.rule.distance is not None:
+                out["theta_distance_max"] = float(self.rule.distance.max())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the theta rule and the stochastic-rounding generator (the dither is keyed by the step)."""
+        out: dict[str, Any] = {"record": self.record.state_dict()}
+        if not self.identity:
+            out["rule"] = self.rule.state_dict()
+            if self.codec.noise is not None:
+                out["noise"] = self.codec.noise.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.record.load_state_dict(state["record"])
+        if not self.identity:
+            self.rule.load_state_dict(state["rule"])
+            if self.codec.noise is not None:
+                self.codec.noise.load_state_dict(state["noise"])
+
+
+def _gossip(x, rows, self_weight, weights, gamma) -> None:
+    """``x <- x + gamma sum_j W_ij (x_j - x)``; at gamma = 1 exactly D-PSGD's ``gossip_average``."""
+    if gamma != 1.0:
+        self_weight = 1.0 - gamma * (1.0 - self_weight)
+        weights = [gamma * w for w in weights]
+    gossip_average(x, rows, self_weight, weights)

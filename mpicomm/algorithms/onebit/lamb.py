@@ -1,0 +1,137 @@
+"""1-bit LAMB: LAMB warm-up, then 1-bit averaged momentum with frozen variance and frozen layer ratios.
+
+Li, Awan, Tang, Zhang, Zhang, He. "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
+with LAMB's Convergence Speed", HiPC 2022 (arXiv:2104.06069), in the form of DeepSpeed's ``OnebitLamb``.
+
+``lamb`` (:mod:`..centralized.lamb`, the same code) for t <= freeze_step, v_fresh = v at t = freeze_step;
+then v is frozen and, on rank i (the error-compensated 1-bit average of :mod:`.average`)::
+
+    s_l = mean_k(rms(m_k)) / rms(m_l)          once, at the first compression step
+    m   <- OneBitAverage((b1 m + (1 - b1) g_i) * s) / s
+    g~  = (m - b1 m_prev) / (1 - b1);   v_fresh <- b2 v_fresh + (1 - b2) g~^2
+    f_l = max_j (sqrt(v_l) + eps)_j / (sqrt(v_fresh_l) + eps)_j, clipped and rate-limited
+    x_l <- x_l - lr rbar_l f_l (m_l / (sqrt(v_l) + eps) + wd x_l)
+
+Per step: one fp32 allreduce while warming up, then one 1-bit average. Differences from DeepSpeed's code
+and the weight-decay form of f_l: ``docs/algorithms/centralized.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import check_int, check_range
+from ..centralized.lamb import LAMB, LAMBConfig
+from .average import OneBitAverage
+
+__all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
+
+
+@dataclass(frozen=True)
+class OneBitLAMBConfig(LAMBConfig):
+    """LAMB options plus the warm-up length and the factor clip of the compression stage.
+
+    freeze_step: LAMB steps before the variance freezes and compression starts, >= 1. factor_min: the
+    smallest scaling factor f_l of the frozen ratio. factor_max: the largest, >= factor_min.
+    factor_threshold: the most f_l may change from one step to the next, relatively (>= 0).
+    """
+
+    freeze_step: int = 100_000
+    factor_max: float = 4.0
+    factor_min: float = 0.5
+    factor_threshold: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("freeze_step", self.freeze_step, 1)
+        check_range("factor_min", self.factor_min, lo=0.0, lo_open=True)
+        check_range("factor_max", self.factor_max, lo=self.factor_min)
+        check_range("factor_threshold", self.factor_threshold, lo=0.0)
+
+
+class OneBitLAMB(LAMB):
+    """1-bit LAMB: LAMB warm-up, then 1-bit averaged momentum with frozen v and frozen, rescaled layer ratios."""
+
+    name = "onebit_lamb"
+    config_class = OneBitLAMBConfig
+    optimizer_refusal = ("1-bit LAMB's compressed momentum and frozen trust ratios are the method; set lr, "
+                         "beta1, beta2, eps and weight_decay instead")
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        if self.flat.data.dtype != torch.float32:
+            raise TypeError(f"onebit_lamb needs float32 parameters (the sign codec decodes to float32), "
+                            f"got {self.flat.data.dtype}")
+        x = self.flat.data
+        self.v_fresh, self.m_prev, self.scaling = (torch.zeros_like(x) for _ in range(3))
+        self.onebit = OneBitAverage(self.comm, self.flat.numel, x.device, one_worker_scale=True)
+        self.last_factor = torch.ones(len(self.layers), dtype=torch.float64)
+        self._scaled = False
+
+    @property
+    def phase(self) -> str:
+        """``"warmup"`` or ``"compression"``: the phase the next :meth:`step` runs in."""
+        return "warmup" if self.step_count < self.config.freeze_step else "compression"
+
+    def _step(self, grad: torch.Tensor) -> None:
+        if self.phase == "warmup":
+            self._lamb_step(grad)
+            if self.step_count + 1 == self.config.freeze_step:
+                self.v_fresh.copy_(self.v)
+        else:
+            self._compressed_step(grad)
+
+    def _set_scaling(self) -> None:
+        """s_l = mean_k rms(m_k) / rms(m_l), once (from the momentum at the end of the warm-up)."""
+        rms = [float(self.m[lo:hi].norm()) / (hi - lo) ** 0.5 for lo, hi in self.layers]
+        united = sum(rms) / len(rms)
+        for (lo, hi), r in zip(self.layers, rms):
+            self.scaling[lo:hi] = united / r if r else 1.0
+        self._scaled = True
+
+    def _compressed_step(self, grad: torch.Tensor) -> None:
+        cfg, x = self.config, self.flat.data
+        if not self._scaled:
+            self._set_scaling()
+        self.m_prev.copy_(self.m)
+        momentum = self.onebit.input
+        torch.lerp(self.m, grad, 1 - cfg.beta1, out=momentum).mul_(self.scaling)
+        torch.div(self.onebit.average(), self.scaling, out=self.m)
+        g = torch.sub(self.m, self.m_prev, alpha=cfg.beta1, out=grad).div_(1 - cfg.beta1)   # reconstructed g
+        self.v_fresh.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+        torch.sqrt(self.v, out=self._denom).add_(cfg.eps)
+        prelim = torch.div(self.m, self._denom, out=self._update)
+        fresh = torch.sqrt(self.v_fresh, out=grad).add_(cfg.eps)                # g is no longer needed
+        for k, (lo, hi) in enumerate(self.layers):
+            factor = float((self._denom[lo:hi] / fresh[lo:hi]).max())
+            update = prelim[lo:hi]
+            if cfg.weight_decay:
+                p_norm = float(update.norm())
+                update = update + cfg.weight_decay * x[lo:hi]
+                u_norm = float(update.norm())
+                q = min(1.0, p_norm / u_norm) if u_norm else 1.0
+                factor = factor * q + (1.0 - q)
+            factor = min(max(factor, cfg.factor_min), cfg.factor_max)
+            last = float(self.last_factor[k])
+            factor = min(max(factor, last * (1.0 - cfg.factor_threshold)), last * (1.0 + cfg.factor_threshold))
+            self.last_factor[k] = factor
+            coeff = float(self.coeff_freeze[k]) * factor
+            self.last_coeffs[k] = coeff
+            x[lo:hi].add_(update, alpha=-self.lr * coeff)
+
+    def stats(self):
+        """LAMB's stats plus ``phase`` (of the next step)."""
+        return {**super().stats(), "phase": self.phase}
+
+    def _extra_state(self):
+        return {**super()._extra_state(), "v_fresh": self.v_fresh.clone(), "scaling": self.scaling.clone(),
+                "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        self.onebit.load_state_dict(extra)
+        for key in ("v_fresh", "scaling", "last_factor"):
+            getattr(self, key).copy_(extra[key])
+        self._scaled = bool(extra["scaled"])
