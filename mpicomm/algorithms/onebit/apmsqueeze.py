@@ -24,7 +24,7 @@ import torch
 
 from ..base import check_range
 from ..centralized.adam import AdamConfig, AllReduceAdam
-from .average import OneBitAverage
+from .average import OneBitAverage, check_float32
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
@@ -97,9 +97,7 @@ class APMSqueeze(AllReduceAdam):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        if self.flat.data.dtype != torch.float32:
-            raise TypeError(f"apmsqueeze needs float32 parameters (the sign codec decodes to float32), "
-                            f"got {self.flat.data.dtype}")
+        check_float32(self.name, self.flat.data)
         self.warmup = self.config.warmup
         self.deepspeed = self.config.variant == "deepspeed"
         self.onebit = OneBitAverage(self.comm, self.flat.numel, self.flat.data.device, one_worker_scale=self.deepspeed)

@@ -29,7 +29,14 @@ import torch
 
 from ...codecs import SignCodec
 
-__all__ = ["OneBitAverage"]
+__all__ = ["OneBitAverage", "check_float32"]
+
+
+def check_float32(algorithm: str, params: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless ``params`` are float32: the 1-bit average's sign codec decodes to float32."""
+    if params.dtype != torch.float32:
+        raise TypeError(f"{algorithm} needs float32 parameters (the sign codec decodes to float32), "
+                        f"got {params.dtype}")
 
 
 class OneBitAverage:

@@ -24,7 +24,7 @@ import torch
 
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBConfig
-from .average import OneBitAverage
+from .average import OneBitAverage, check_float32
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
 
@@ -61,9 +61,7 @@ class OneBitLAMB(LAMB):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        if self.flat.data.dtype != torch.float32:
-            raise TypeError(f"onebit_lamb needs float32 parameters (the sign codec decodes to float32), "
-                            f"got {self.flat.data.dtype}")
+        check_float32(self.name, self.flat.data)
         x = self.flat.data
         self.v_fresh, self.m_prev, self.scaling = (torch.zeros_like(x) for _ in range(3))
         self.onebit = OneBitAverage(self.comm, self.flat.numel, x.device, one_worker_scale=True)

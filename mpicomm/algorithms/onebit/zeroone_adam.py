@@ -25,7 +25,7 @@ import torch
 
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
-from .average import OneBitAverage
+from .average import OneBitAverage, check_float32
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -68,9 +68,7 @@ class ZeroOneAdam(Algorithm):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        if self.flat.data.dtype != torch.float32:
-            raise TypeError(f"zeroone_adam needs float32 parameters (the sign codec decodes to float32), "
-                            f"got {self.flat.data.dtype}")
+        check_float32(self.name, self.flat.data)
         x = self.flat.data
         self.m, self.v, self.u, self.synced = (torch.zeros_like(x) for _ in range(4))
         self._denom = torch.zeros_like(x)

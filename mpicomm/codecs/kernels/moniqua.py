@@ -49,6 +49,15 @@ def _hash(c):
     return np.int32(((((c & _LOW31) * _LCG_A + _LCG_C) & _LOW31) >> 11) | 1)
 
 
+@inline
+def _shifted(x, i, at, s, key, dithered, gap):
+    """Position i of a run: its coordinate c, ``t = x s + u`` and the dither u (0 without one)."""
+    c = np.int64(at + i)
+    t = np.float32(0.0) * s if gap else x[i] * s
+    u = _u(key, c) if dithered else np.float32(0.0)
+    return c, (t + u if dithered else t), u
+
+
 @kernel
 def dither(key, coords, out):
     """Write u at the int64 flat coordinates ``coords`` of the uint64 stream ``key`` into the float32 ``out``."""
@@ -62,11 +71,7 @@ def _encode_span(x, noise, at, s, inv, key, factor, mask, codes, out, dithered, 
     the run's fingerprint."""
     fp = np.int64(0)
     for i in range(out.size):
-        c = np.int64(at + i)
-        t = np.float32(0.0) * s if gap else x[i] * s
-        if dithered:
-            u = _u(key, c)
-            t = t + u
+        c, t, u = _shifted(x, i, at, s, key, dithered, gap)
         if stochastic:
             L = np.float32(np.floor(t + noise[i]))
         else:
@@ -119,11 +124,7 @@ def _recover_span(codes, x, at, s, inv, key, weight, levels, out, dithered, obse
     """One run (as :func:`_encode_span`); returns its fingerprint and ``max |L' - t|``."""
     fp, far, step = np.int64(0), np.float32(0.0), np.float32(1.0) / levels
     for i in range(out.size):
-        c = np.int64(at + i)
-        t = np.float32(0.0) * s if gap else x[i] * s
-        if dithered:
-            u = _u(key, c)
-            t = t + u
+        c, t, u = _shifted(x, i, at, s, key, dithered, gap)
         code = np.float32(codes[i])
         L = np.float32(np.rint((t - code) * step)) * levels + code
         fp += (np.int64(L) & _LOW20) * np.int64(_hash(c))
