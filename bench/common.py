@@ -1,153 +1,112 @@
-"""Shared pieces of the convergence benchmarks: the digits data, a small MLP, a training run, the report.
+"""The benchmarks' shared harness: where results go, what they were measured on, tables, JSON and plots.
 
-Data: scikit-learn's handwritten digits (1,797 real 8x8 images, shipped inside the package, no
-download), standardised, split 80/20 into train/test with a fixed seed; each rank trains on its own
-IID shard of the training set. Model: a 64-128-10 MLP (9,610 parameters, most of them in one
-8,192-element layer, so per-layer codecs see a realistic large layer).
-
-Every benchmark script runs under ``mpiexec -n N python bench/<name>.py`` and calls
-:func:`run_case` once per algorithm, then :func:`report` on rank 0.
+Every script under ``bench/<what it measures>/`` puts the repository on ``sys.path`` and imports from here.
+Figures the docs quote go to ``docs/results/`` (committed); a script's own JSON to ``bench/results/``; the
+raw runs of the wall-clock benchmarks to ``bench/results/runs/`` (both ignored).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shutil
+import sys
 import time
 
-import numpy as np
-import torch
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "docs", "results")
+BENCH_RESULTS = os.path.join(REPO, "bench", "results")
+RUNS = os.path.join(BENCH_RESULTS, "runs")
 
-from mpicomm import topology
-from mpicomm.algorithms import make_algorithm
-from mpicomm.comm import Communicator
-from mpicomm.net import parse_net
-
-__all__ = ["DigitsData", "benchmark_options", "make_mlp", "report", "run_case"]
+__all__ = ["BENCH_RESULTS", "REPO", "RESULTS", "RUNS", "enter_loopback_namespace", "machine", "markdown_table",
+           "plot_series", "write_json", "write_outputs", "write_table"]
 
 
-class DigitsData:
-    """The digits dataset split into train/test, with this rank's IID shard of the training set."""
-
-    def __init__(self, rank: int, size: int, seed: int = 0):
-        from sklearn.datasets import load_digits
-
-        data = load_digits()
-        x = (data.data - data.data.mean(0)) / (data.data.std(0) + 1e-6)
-        order = np.random.default_rng(seed).permutation(len(x))
-        n_test = len(x) // 5
-        test, train = order[:n_test], order[n_test:]
-        self.x_test = torch.tensor(x[test], dtype=torch.float32)
-        self.y_test = torch.tensor(data.target[test], dtype=torch.long)
-        mine = train[rank::size]
-        self.x = torch.tensor(x[mine], dtype=torch.float32)
-        self.y = torch.tensor(data.target[mine], dtype=torch.long)
-
-    def batches(self, epoch: int, batch_size: int, seed: int):
-        """This rank's shuffled mini-batches for ``epoch`` (same order on every run with the same seed)."""
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = torch.randperm(len(self.x), generator=g)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            idx = order[start:start + batch_size]
-            yield self.x[idx], self.y[idx]
+def enter_loopback_namespace() -> None:
+    """Re-run this script inside a loopback-only network namespace when root (no MPI byte leaves the machine)."""
+    if os.environ.get("MPICOMM_NETNS") or os.geteuid() != 0 or shutil.which("unshare") is None:
+        return
+    os.environ["MPICOMM_NETNS"] = "loopback"
+    script = 'ip link set lo up && exec "$0" "$@"'
+    os.execvp("unshare", ["unshare", "-n", "bash", "-c", script, sys.executable, *sys.argv])
 
 
-def benchmark_options(description: str, default: int = 20) -> argparse.Namespace:
-    """Parse the convergence benchmarks' shared options: ``--epochs N`` or ``--quick`` (3 epochs), ``--net``.
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import platform
 
-    Returns ``epochs`` and ``net`` (a :class:`~mpicomm.net.NetSpec` or None) on the namespace.
-    """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=default, help=f"training epochs per case (default {default})")
-    parser.add_argument("--quick", action="store_true", help="3 epochs, for a smoke run")
-    parser.add_argument("--net", default="", help="model a network under every case, e.g. 1gbit,100us (wall_seconds "
-                        "then include its cost; see docs/network.md)")
-    args = parser.parse_args()
-    args.epochs = 3 if args.quick else args.epochs
-    if args.epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
+    import torch
+
+    return {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "omp_num_threads": 1}
+
+
+def _cpu_model() -> str:
     try:
-        args.net = parse_net(args.net)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    return args
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
-def make_mlp(seed: int = 0) -> torch.nn.Module:
-    """The 64-128-10 ReLU MLP every benchmark trains."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
-def _evaluate(model: torch.nn.Module, flat_params: torch.Tensor, algo, data: DigitsData) -> tuple[float, float]:
-    """Test loss and accuracy of ``model`` with its flat buffer temporarily set to ``flat_params``."""
-    saved = algo.flat.data.clone()
-    algo.flat.data.copy_(flat_params)
-    with torch.no_grad():
-        logits = model(data.x_test)
-        loss = float(torch.nn.functional.cross_entropy(logits, data.y_test))
-        acc = float((logits.argmax(1) == data.y_test).float().mean())
-    algo.flat.data.copy_(saved)
-    return loss, acc
+def plot_series(path: str, panels: list[dict], title: str) -> None:
+    """Save side-by-side line plots; each panel: ``{"title", "xlabel", "ylabel", "series": {label: (x, y)}}``.
 
-
-def run_case(mpi_comm, label: str, algorithm: str, options: dict, *, epochs: int, batch_size: int = 16,
-             topo: str = "ring", seed: int = 0, net=None, keep_stats: bool = False) -> dict:
-    """Train the MLP with ``algorithm`` for ``epochs`` on every rank; return one result row (all ranks).
-
-    ``keep_stats``: add ``stats``, this rank's ``algo.stats()`` at the end of training (before evaluation).
-
-    ``net``: a network setting modelled under the run (``Communicator(net=...)``), or None.
+    Optional panel keys: ``hline`` (a dotted reference line), ``logx``, ``legend`` (the last panel always has one).
     """
-    n, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    data = DigitsData(rank, n, seed)
-    comm = Communicator(mpi_comm, topology.build(topo, n), net=net)
-    model = make_mlp(seed)
-    algo = make_algorithm(algorithm, model, comm, seed=seed, **options)
-    mpi_comm.Barrier()
-    t0 = time.perf_counter()
-    steps = 0
-    for epoch in range(epochs):
-        for x, y in data.batches(epoch, batch_size, seed + rank):
-            algo.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            algo.step()
-            steps += 1
-    mpi_comm.Barrier()
-    wall = time.perf_counter() - t0
-    totals = comm.ledger.totals()  # training traffic only: read before the evaluation's allreduces
-    stats = algo.stats()
-    average = algo.consensus_model()
-    loss, acc = _evaluate(model, average, algo, data)
-    spread = algo.consensus_distance()
-    sent = mpi_comm.allreduce(totals["bytes_sent"]) / n
-    received = mpi_comm.allreduce(totals["bytes_received"]) / n
-    contributed = mpi_comm.allreduce(totals["bytes_contributed"]) / n
-    algo.close()
-    return {
-        "label": label, "algorithm": algorithm, "options": options, "topology": topo, "ranks": n,
-        "epochs": epochs, "steps": steps, "test_loss": loss, "test_accuracy": acc,
-        "consensus_distance": spread, "bytes_sent_per_rank": sent, "bytes_received_per_rank": received,
-        "bits_per_parameter_per_step": 8 * contributed / max(steps, 1) / algo.flat.numel,
-        "bits_per_parameter_sent_per_step": 8 * sent / max(steps, 1) / algo.flat.numel,
-        "wall_seconds": wall, "parameters": algo.flat.numel, **({"stats": stats} if keep_stats else {}),
-    }
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, (x, y) in panel["series"].items():
+            ax.plot(x, y, marker=".", label=label)
+        if panel.get("hline") is not None:
+            ax.axhline(panel["hline"], color="grey", linestyle=":", linewidth=1)
+        if panel.get("logx"):
+            ax.set_xscale("log")
+        ax.set_title(panel["title"], fontsize=10)
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel(panel["ylabel"])
+        ax.grid(alpha=0.3)
+        if panel.get("legend") or panel is panels[-1]:
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def report(rows: list[dict], baseline_label: str, json_path: str, title: str) -> None:
-    """Print a table (bytes as a ratio of the baseline's, measured in the same run) and write JSON."""
-    base = next(r for r in rows if r["label"] == baseline_label)
-    print(f"\n{title}")
-    print(f"{'case':<28}{'test acc %':>11}{'test loss':>10}{'MB sent/rank':>14}{'bytes vs base':>15}"
-          f"{'bits/param/step':>17}{'wall s':>8}")
-    for r in rows:
-        ratio = base["bytes_sent_per_rank"] / r["bytes_sent_per_rank"] if r["bytes_sent_per_rank"] else float("inf")
-        r["bytes_reduction_vs_baseline"] = ratio
-        print(f"{r['label']:<28}{100 * r['test_accuracy']:>11.2f}{r['test_loss']:>10.4f}"
-              f"{r['bytes_sent_per_rank'] / 1e6:>14.3f}{ratio:>14.1f}x{r['bits_per_parameter_per_step']:>17.3f}"
-              f"{r['wall_seconds']:>8.2f}")
-    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump({"title": title, "baseline": baseline_label, "rows": rows}, f, indent=2)
-    print(f"wrote {json_path}")
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` as indented JSON (creating the folder)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def write_table(name: str, title: str, table: str, payload: dict) -> None:
+    """docs/results/<name>.md (title + table) and .json (payload + machine); print both."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(f"{title}\n\n{table}\n")
+    write_json(os.path.join(RESULTS, f"{name}.json"), {"title": title, "machine": machine(), **payload})
+    print(f"{title}\n\n{table}\nwrote {RESULTS}/{name}.{{md,json}}")
+
+
+def write_outputs(name: str, title: str, table: str, payload: dict, panels: list[dict]) -> None:
+    """:func:`write_table`, plus docs/results/<name>.png (the panels)."""
+    write_table(name, title, table, payload)
+    plot_series(os.path.join(RESULTS, f"{name}.png"), panels, title)

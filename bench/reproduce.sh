@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce every table and plot of the README's Results section, in order (about an hour on 2 cores).
-#   bench/reproduce.sh                 # everything
-#   bench/reproduce.sh tta bert        # only some: comm codecs decentralized centralized moniqua
-#                                      #            netvalidate tta bert hsq scaling moniqua-theta
-#                                      #            peers peers-apps step-overhead
+# Reproduce every table, plot and figure the README and docs/ quote, in order (a few hours on 2 cores).
+#   bench/reproduce.sh                 # everything that runs on a CPU
+#   bench/reproduce.sh tta bert        # only some (the names in `all` below; `gpu` needs a GPU)
+# The scripts are grouped by what they measure: bench/transport, codecs, per_step, training, wallclock, gpu.
 # As root with `unshare`, everything runs in a loopback-only network namespace (the shaped-network
 # validation builds its own namespaces inside it); elsewhere it runs on the normal network stack.
 # Wall-clock cases are cached in bench/results/runs/ (ignored by git); add --fresh to a bench script to
@@ -16,27 +15,37 @@ if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev
 fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=1
-all=(comm codecs decentralized centralized moniqua netvalidate tta bert hsq scaling moniqua-theta peers peers-apps
-     step-overhead memory overlap)
+all=(comm codecs kernel-breakdown moniqua-pull decentralized centralized moniqua moniqua-adpsgd netvalidate tta bert
+     hsq scaling moniqua-theta moniqua-resnet peers peers-apps export-batchnorm step-overhead host-syncs
+     user-optimizer memory moniqua-rss overlap)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
   case "$name" in
-    comm) mpiexec -n 4 python bench/comm.py --repeat 41
-          python bench/comm.py --compare-yield 4 --repeat 21 --rounds 3 ;;
-    codecs) python bench/codecs.py --sizes 1M,16M --repeat 5 ;;
-    decentralized|centralized|moniqua) mpiexec -n 4 python "bench/$name.py" ;;
-    netvalidate) python bench/net_validate.py ;;
-    tta) python bench/time_to_accuracy.py ;;
-    bert) python bench/bert_speedup.py ;;
-    hsq) python bench/hsq_wallclock.py ;;
-    scaling) python bench/scaling.py ;;
-    moniqua-theta) python bench/moniqua_theta_scale.py ;;
-    peers) mpiexec -n 4 python bench/peers.py ;;
-    peers-apps) python bench/peers_apps.py ;;
-    step-overhead) mpiexec -n 4 python bench/step_overhead.py ;;
-    memory) python bench/memory.py ;;
-    overlap) python bench/overlap.py ;;
+    comm) mpiexec -n 4 python bench/transport/comm.py --repeat 41
+          python bench/transport/comm.py --compare-yield 4 --repeat 21 --rounds 3 ;;
+    codecs) python bench/codecs/codecs.py --sizes 1M,16M --repeat 5 ;;
+    kernel-breakdown) mpiexec -n 4 python bench/codecs/kernel_breakdown.py ;;
+    moniqua-pull) python bench/codecs/moniqua_pull.py ;;
+    decentralized|centralized|moniqua) mpiexec -n 4 python "bench/training/$name.py" ;;
+    moniqua-adpsgd) mpiexec -n 4 python bench/training/moniqua_adpsgd.py ;;
+    netvalidate) python bench/transport/net_validate.py ;;
+    tta) python bench/wallclock/time_to_accuracy.py ;;
+    bert) python bench/wallclock/bert_speedup.py ;;
+    hsq) python bench/wallclock/hsq_wallclock.py ;;
+    scaling) python bench/wallclock/scaling.py ;;
+    moniqua-theta) python bench/training/moniqua_theta_scale.py ;;
+    moniqua-resnet) python bench/wallclock/moniqua_resnet.py ;;
+    peers) mpiexec -n 4 python bench/training/peers.py ;;
+    peers-apps) python bench/wallclock/peers_apps.py ;;
+    export-batchnorm) python bench/training/export_batchnorm.py --out-dir "${TMPDIR:-/tmp}/mpicomm-export-bn" ;;
+    step-overhead) mpiexec -n 4 python bench/per_step/step_overhead.py ;;
+    host-syncs) mpiexec -n 4 python bench/per_step/host_syncs.py ;;
+    user-optimizer) mpiexec -n 2 python bench/per_step/user_optimizer.py ;;
+    memory) python bench/per_step/memory.py ;;
+    moniqua-rss) for algorithm in dpsgd moniqua; do mpiexec -n 4 python bench/per_step/moniqua_rss.py "$algorithm"; done ;;
+    overlap) python bench/wallclock/overlap.py ;;
+    gpu) scripts/gpu_check.sh ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
 done

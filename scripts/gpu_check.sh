@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command: codecs on CUDA vs CPU, device collectives at 2 and 4 ranks (staged, and
 # direct when MPI is CUDA-aware), ResNet-20 with every algorithm on cuda vs cpu, codec throughput against
-# a device-to-device copy at 16M/64M elements, ResNet-20 step times, host syncs per step (bench/host_syncs.py),
+# a device-to-device copy at 16M/64M elements, ResNet-20 step times, host syncs per step (bench/per_step/host_syncs.py),
 # bf16 and fp16 runs. Ranks share the
 # node's GPUs (cuda:{local rank % GPUs}). Writes OUT/gpu_check.json and prints a short table; exit 1 if a
 # check failed. Budget: about 5 minutes on one H200 (each part has its own timeout).
@@ -61,16 +61,16 @@ part() {  # part SECONDS NAME COMMAND...
   echo "== $name: exit $rc in $((SECONDS - t0)) s (log: $OUT/$name.log)"
   [ $rc = 0 ] || { failed+=("$name"); tail -5 "$OUT/$name.log"; }
 }
-part 60 codecs "$py" bench/gpu_check.py codecs "${flags[@]}"
-part 60 comm-2 "${mpi[@]}" -n 2 "$py" bench/gpu_check.py comm "${flags[@]}"
-part 60 comm-4 "${mpi[@]}" -n 4 "$py" bench/gpu_check.py comm "${flags[@]}"
-part 200 train "${mpi[@]}" -n 2 "$py" bench/gpu_check.py train "${flags[@]}" "${train[@]}"
+part 60 codecs "$py" bench/gpu/gpu_check.py codecs "${flags[@]}"
+part 60 comm-2 "${mpi[@]}" -n 2 "$py" bench/gpu/gpu_check.py comm "${flags[@]}"
+part 60 comm-4 "${mpi[@]}" -n 4 "$py" bench/gpu/gpu_check.py comm "${flags[@]}"
+part 200 train "${mpi[@]}" -n 2 "$py" bench/gpu/gpu_check.py train "${flags[@]}" "${train[@]}"
 if [ "$CPU_ONLY" = 0 ]; then
-  part 60 throughput "$py" bench/gpu_check.py throughput "${flags[@]}"
-  part 60 steptime "${mpi[@]}" -n 2 "$py" bench/gpu_check.py steptime "${flags[@]}"
-  part 60 host-syncs "${mpi[@]}" -n 4 "$py" bench/host_syncs.py --device cuda --out "$OUT/host_syncs.json"
+  part 60 throughput "$py" bench/gpu/gpu_check.py throughput "${flags[@]}"
+  part 60 steptime "${mpi[@]}" -n 2 "$py" bench/gpu/gpu_check.py steptime "${flags[@]}"
+  part 60 host-syncs "${mpi[@]}" -n 4 "$py" bench/per_step/host_syncs.py --device cuda --out "$OUT/host_syncs.json"
 fi
-part 90 precision "${mpi[@]}" -n 2 "$py" bench/gpu_check.py precision "${flags[@]}" "${train[@]}"
-"$py" bench/gpu_check.py report "${flags[@]}"; rc=$?
+part 90 precision "${mpi[@]}" -n 2 "$py" bench/gpu/gpu_check.py precision "${flags[@]}" "${train[@]}"
+"$py" bench/gpu/gpu_check.py report "${flags[@]}"; rc=$?
 [ ${#failed[@]} -eq 0 ] || { echo "gpu_check: parts that did not finish: ${failed[*]}"; exit 1; }
 exit $rc

@@ -3,7 +3,7 @@
 A codec written as torch/numpy ops makes one pass over memory per op: uniform nearest encoding is six
 (subtract, scale, + 1/2, clamp, float -> int, pack), and each costs 0.2-0.4x a copy of the tensor. A kernel
 here reads every element once and writes its code once, so an encode costs about one copy
-(``bench/codecs.py``). The kernels compute the very float32 operations of the op-at-a-time paths they
+(``bench/codecs/codecs.py``). The kernels compute the very float32 operations of the op-at-a-time paths they
 replace, in the same order: numba does not contract a multiply and an add unless asked, and where torch's
 vectorised ops do round ``a * b + c`` once (``addcmul_``, ``add_(alpha=)``) the kernel calls ``llvm.fma``
 too (:func:`._jit.fma32`). Their bytes and values are therefore bit for bit those paths', which stay as

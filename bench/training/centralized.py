@@ -1,8 +1,8 @@
 """Centralized gradient-averaging algorithms on the digits MLP: accuracy and bits on the wire vs. baselines.
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/centralized.py [--epochs 20] [--quick]'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/training/centralized.py [--epochs 20] [--quick]'
 
-Trains bench/common.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
+Trains bench/training/digits.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
 and reports final test loss/accuracy, bytes sent per rank, bits per parameter per step and wall time.
 SGD family (baseline AllReduce-SGD, SGD momentum 0.9): QSGD 2/8-bit, TernGrad, SignSGD (majority
 vote), EF-SignSGD, HSQ (d = 8, 16, 64; greedy and unbiased) when ``hsq`` is registered, PowerSGD rank 1
@@ -30,15 +30,16 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, benchmark_options, report, run_case  # noqa: E402
-from bench.peers import zeroone_schedule  # noqa: E402
+from bench.common import BENCH_RESULTS  # noqa: E402
+from bench.training.digits import DigitsData, benchmark_options, report, run_case  # noqa: E402
+from bench.training.peers import zeroone_schedule  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
-JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "centralized.json")
+JSON = os.path.join(BENCH_RESULTS, "centralized.json")
 BATCH = 16
 SGD = {"lr": 0.1, "momentum": 0.9}
 SGD_CASES = [  # label, algorithm, options

@@ -1,6 +1,6 @@
 """Why 1-bit Moniqua does not train ResNet-20 here: its theta next to each layer's weights and steps.
 
-    python bench/moniqua_theta_scale.py [--steps 5,20]
+    python bench/training/moniqua_theta_scale.py [--steps 5,20]
 
 One process trains ResNet-20 on the embedded digits (32 images a step, SGD lr 0.1, momentum 0.9, the
 ResNet app's data and model) and, at the given steps, computes what Moniqua's adaptive rule would set:
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "apps")]
 
 import torch  # noqa: E402
@@ -24,7 +24,7 @@ from data.image_task import ImageTask  # noqa: E402
 from data.images import load_digits32  # noqa: E402
 from models.resnet import build_model  # noqa: E402
 
-from bench.apprun import markdown_table  # noqa: E402
+from bench.common import markdown_table  # noqa: E402
 from mpicomm import topology  # noqa: E402
 from mpicomm.algorithms.moniqua.theta import mixing_time  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Time to accuracy of the decentralized methods and AllReduce-SGD, at three network settings.
 
-    python bench/time_to_accuracy.py [--settings fast,gbit,slow] [--epochs 6] [--target 0.70] [--fresh] [--out NAME]
+    python bench/wallclock/time_to_accuracy.py [--settings fast,gbit,slow] [--epochs 6] [--target 0.70] \
+        [--fresh] [--out NAME]
 
 Every case is a real 4-rank ``mpiexec`` job of ``apps/train_resnet.py`` (ResNet-20, embedded digits
 data, 32 images per rank per step, lr 0.1 cosine, momentum 0.9, ring, one evaluation of the averaged
@@ -9,7 +10,7 @@ real shared-memory transfer (see ``mpicomm/net/model.py``). The x-axis is ``trai
 training steps (compute + modelled communication + waiting), without evaluation.
 
 The 4 ranks share 2 cores (OMP_NUM_THREADS=1), so compute per step is about twice what one rank on its
-own core needs (``bench/scaling.py`` measures the factor): communication looks cheaper next to compute
+own core needs (``bench/wallclock/scaling.py`` measures the factor): communication looks cheaper next to compute
 than it would on 4 real machines.
 
 Writes docs/results/time_to_accuracy.{md,json,png} (``--out NAME``: docs/results/NAME.*, e.g. for one setting).
@@ -20,9 +21,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import SETTINGS, bench_parser, describe, markdown_table, run_grid, time_to_target, write_outputs  # noqa: E402
+from bench.apprun import SETTINGS, bench_parser, describe, run_grid, time_to_target  # noqa: E402
+from bench.common import markdown_table, write_outputs  # noqa: E402
 
 RANKS = 4
 BASE = ["--model", "resnet20", "--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--topology", "ring"]

@@ -1,7 +1,7 @@
 """Peak resident memory per rank: ResNet-20 on the digits for one epoch, D-PSGD or Moniqua's default.
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/moniqua_rss.py dpsgd'
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/moniqua_rss.py moniqua'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/per_step/moniqua_rss.py dpsgd'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/per_step/moniqua_rss.py moniqua'
 
 Each rank trains one epoch (32 images a step, lr 0.1, momentum 0.9, ring) and reports
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss``; run the two algorithms as separate jobs (peak RSS only grows).
@@ -13,7 +13,7 @@ import os
 import resource
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "apps")]
 
 import torch  # noqa: E402

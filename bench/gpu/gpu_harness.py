@@ -1,4 +1,4 @@
-"""Pieces of ``bench/gpu_check.py``: ResNet-20 steps on a device, codec lists, device timing.
+"""Pieces of ``bench/gpu/gpu_check.py``: ResNet-20 steps on a device, codec lists, device timing.
 
 ``train(...)`` runs the training step the apps run (autocast, scaled backward, agreed overflow
 check, ``algo.step``) on the embedded digits, for a few steps, without the loop's logging and
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 from data.image_task import ImageTask  # noqa: E402
@@ -68,8 +68,8 @@ def algorithm_name(key: str) -> str:
 
 
 def bench_codecs(x_ref: dict) -> list:
-    """``(label, codec, target)`` from ``bench/codecs.py`` (loaded by path: its name shadows the stdlib's)."""
-    spec = importlib.util.spec_from_file_location("bench_codecs", os.path.join(ROOT, "bench", "codecs.py"))
+    """``(label, codec, target)`` from ``bench/codecs/codecs.py`` (loaded by path: its name shadows the stdlib's)."""
+    spec = importlib.util.spec_from_file_location("bench_codecs", os.path.join(ROOT, "bench", "codecs", "codecs.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.codecs(x_ref)

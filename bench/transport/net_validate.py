@@ -18,7 +18,7 @@ alpha; the seconds per step of both are compared.
 Read the ratio measured / predicted. The shaper's rate counts wire bytes: a 1448-byte TCP payload
 travels as a 1514-byte frame, so a bandwidth-bound transfer takes at least ~1.046x the payload model.
 
-    python bench/net_validate.py [--no-apps]   # both settings, about 5 minutes; enters `unshare -n` itself
+    python bench/transport/net_validate.py [--no-apps]   # both settings, about 5 minutes; enters `unshare -n` itself
 
 Writes docs/results/net_validate.{md,json,png}.
 """
@@ -34,10 +34,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench.apprun import RESULTS, RUNS, enter_loopback_namespace, launch, machine, markdown_table  # noqa: E402
+from bench.apprun import launch  # noqa: E402
+from bench.common import RESULTS, RUNS, enter_loopback_namespace, machine, markdown_table  # noqa: E402
 
 NETSHAPE = os.path.join(ROOT, "scripts", "netshape.sh")
 SETTINGS = ("100mbit,0us", "1gbit,0us")

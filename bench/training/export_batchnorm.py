@@ -1,6 +1,6 @@
 """The averaged model's test metrics with recomputed, averaged or one rank's BatchNorm statistics.
 
-    unshare -n bash -c 'ip link set lo up && python bench/export_batchnorm.py --out-dir /tmp/bn'
+    unshare -n bash -c 'ip link set lo up && python bench/training/export_batchnorm.py --out-dir /tmp/bn'
 
 Trains ResNet-20 on the embedded digits with ``apps/train_resnet.py`` under ``mpiexec`` (D-PSGD,
 momentum 0.9, a Dirichlet(0.1) non-IID split, 5 epochs; a finished run in ``--out-dir`` is reused, whatever
@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, "apps")]
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Per-step overhead of each algorithm on ResNet-20: its own CPU work in ``algo.step`` apart from the MPI calls.
 
-    mpiexec -n 4 python bench/step_overhead.py [--steps 10] [--rounds 3] [--warmup 3] [--cases dpsgd,hsq]
+    mpiexec -n 4 python bench/per_step/step_overhead.py [--steps 10] [--rounds 3] [--warmup 3] [--cases dpsgd,hsq]
 
 4 ranks on a ring, one torch thread per rank, ResNet-20 (apps/models, 272 k parameters), a real
 forward/backward on a fixed random batch before every step (not timed). Per timed step and rank:
@@ -37,11 +37,11 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 
-from bench.apprun import RESULTS, machine, markdown_table, write_json  # noqa: E402
+from bench.common import RESULTS, machine, markdown_table, write_json  # noqa: E402
 
 CHOCO_CALLS = "qsgd 4-bit: 1 encode + (1 + degree) decodes"
 ONEBIT_CALLS = "sign l2: the 1-bit average's calls on n chunks"
@@ -285,7 +285,8 @@ def summarise(gathered, codecs: dict[str, float], args, numel: int, ranks: int) 
               for k, t in targets.items()]
     return {"title": title, "machine": machine(), "cases": cases, "codecs_ms": {k: 1e3 * v for k, v in codecs.items()},
             "targets": targets, "markdown": "\n".join(lines),
-            "command": f"mpiexec -n {ranks} python bench/step_overhead.py --steps {args.steps} --rounds {args.rounds}"}
+            "command": f"mpiexec -n {ranks} python bench/per_step/step_overhead.py --steps {args.steps} "
+                       f"--rounds {args.rounds}"}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The peers' methods on the apps: ResNet-20 (PowerSGD, PowerGossip) and BERT tiny (0/1 Adam, 1-bit LAMB), 2 seeds.
 
-    python bench/peers_apps.py [--apps resnet,bert] [--settings gbit] [--seeds 2] [--fresh]
+    python bench/wallclock/peers_apps.py [--apps resnet,bert] [--settings gbit] [--seeds 2] [--fresh]
 
 Every case is a real 4-rank ``mpiexec`` job with ``--net SETTING`` (the alpha-beta model on top of
-the real transfers, as in ``bench/time_to_accuracy.py`` and ``bench/bert_speedup.py``, whose settings
-these are), once per seed (``--seed``: initial model, data order and the algorithms' own draws).
+the real transfers, as in ``bench/wallclock/time_to_accuracy.py`` and
+``bench/wallclock/bert_speedup.py``, whose settings these are), once per seed (``--seed``: initial model,
+data order and the algorithms' own draws).
 
 * resnet: ``apps/train_resnet.py``, ResNet-20 on the embedded digits data, 6 epochs, 32 images per
   rank per step, lr 0.1 cosine, momentum 0.9: AllReduce-SGD and PowerSGD rank 1, 2, 4 (error
@@ -24,9 +25,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import SETTINGS, bench_parser, describe, markdown_table, run_grid, write_outputs  # noqa: E402
+from bench.apprun import SETTINGS, bench_parser, describe, run_grid  # noqa: E402
+from bench.common import markdown_table, write_outputs  # noqa: E402
 
 RANKS = 4
 RESNET = ["--model", "resnet20", "--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--epochs", "6"]

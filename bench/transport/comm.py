@@ -4,7 +4,7 @@ Both run on the same distributed-graph ring of all ranks, on the same send buffe
 (raw, ours, raw, ours, ...) so machine noise hits both alike; each is the median of ``--repeat``
 timed calls (after warm-up), each call bracketed by barriers. The ratio ours / raw is what to read.
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/comm.py'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/transport/comm.py'
 
 It also reports the Communicator's own CPU per call: thread CPU time per ``neighbor_allgather`` of 1 KB
 on a graph with no neighbours (``MPI.COMM_SELF``), where the MPI call itself does nothing, against raw
@@ -16,7 +16,7 @@ and with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` (MPICH: a rank waiting in MPI sleeps
 ``--rounds`` times each, on the small sizes, and prints both sets of rows side by side. Open MPI's
 equivalent setting is ``OMPI_MCA_mpi_yield_when_idle=1``.
 
-    unshare -n bash -c 'ip link set lo up && python bench/comm.py --compare-yield 4'
+    unshare -n bash -c 'ip link set lo up && python bench/transport/comm.py --compare-yield 4'
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Overlapped communication during backward against none, for AllReduce-SGD and the compressed methods.
 
-    python bench/overlap.py [--algorithms allreduce_sgd] [--models resnet20,resnet18] [--ranks 2] [--steps 12]
+    python bench/wallclock/overlap.py [--algorithms allreduce_sgd] [--models resnet20,resnet18] [--ranks 2] [--steps 12]
                             [--rounds 3] [--setting gbit] [--name overlap]
 
 Each case is a real ``mpiexec`` job of ``apps/train_resnet.py --algorithm ALGORITHM`` with ``--net
@@ -27,9 +27,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import RUNS, SETTINGS, enter_loopback_namespace, launch, markdown_table, write_table  # noqa: E402
+from bench.apprun import SETTINGS, launch  # noqa: E402
+from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 CASES = [
     ("no overlap", ["--no-overlap"]),

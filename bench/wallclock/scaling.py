@@ -1,6 +1,7 @@
 """Scaling with the number of workers: throughput and time to accuracy at 1, 2, 4 and 8 ranks.
 
-    python bench/scaling.py [--settings gbit] [--ranks 1,2,4,8] [--epochs-per-rank 4] [--target 0.70] [--fresh]
+    python bench/wallclock/scaling.py [--settings gbit] [--ranks 1,2,4,8] [--epochs-per-rank 4] \
+        [--target 0.70] [--fresh]
 
 Two cores cannot host 8 ranks without distorting their compute time, so this states exactly what is
 measured and what is modelled:
@@ -28,18 +29,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import (  # noqa: E402
-    RUNS,
-    SETTINGS,
-    bench_parser,
-    describe,
-    enter_loopback_namespace,
-    launch,
-    markdown_table,
-    write_outputs,
-)
+from bench.apprun import SETTINGS, bench_parser, describe, launch  # noqa: E402
+from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_outputs  # noqa: E402
 
 BATCH = 32
 BASE = ["--model", "resnet20", "--batch-size", str(BATCH), "--lr", "0.1", "--momentum", "0.9", "--topology", "ring"]

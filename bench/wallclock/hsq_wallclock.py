@@ -1,6 +1,6 @@
 """HSQ against the gradient-compression baselines: accuracy vs bits per parameter and vs wall time.
 
-    python bench/hsq_wallclock.py [--settings gbit,slow] [--epochs 6] [--fresh]
+    python bench/wallclock/hsq_wallclock.py [--settings gbit,slow] [--epochs 6] [--fresh]
 
 Every case is a real 4-rank ``mpiexec`` job of ``apps/train_resnet.py`` (ResNet-20, embedded digits
 data, 32 images per rank per step, lr 0.1 cosine, momentum 0.9; SignSGD's majority vote takes lr 1e-3
@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import SETTINGS, bench_parser, describe, markdown_table, run_grid, write_outputs  # noqa: E402
+from bench.apprun import SETTINGS, bench_parser, describe, run_grid  # noqa: E402
+from bench.common import markdown_table, write_outputs  # noqa: E402
 
 RANKS = 4
 BASE = ["--model", "resnet20", "--batch-size", "32", "--momentum", "0.9"]

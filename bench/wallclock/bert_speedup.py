@@ -1,6 +1,6 @@
 """APMSqueeze vs AllReduce-Adam on the BERT app: end-to-end speed-up (warm-up included) per network setting.
 
-    python bench/bert_speedup.py [--settings fast,gbit,slow] [--steps 300] [--fresh]
+    python bench/wallclock/bert_speedup.py [--settings fast,gbit,slow] [--steps 300] [--fresh]
 
 Every case is a real 4-rank ``mpiexec`` job of ``apps/train_bert.py`` (tiny preset: 2 layers, hidden
 64; 16 sequences of 64 tokens per rank per step; the embedded Python pydoc corpus; lr 1e-3 cosine)
@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import SETTINGS, bench_parser, describe, markdown_table, run_grid, time_to_target, write_outputs  # noqa: E402
+from bench.apprun import SETTINGS, bench_parser, describe, run_grid, time_to_target  # noqa: E402
+from bench.common import markdown_table, write_outputs  # noqa: E402
 from mpicomm.net import CostModel, parse_net  # noqa: E402
 
 RANKS = 4

@@ -1,8 +1,9 @@
 """Moniqua-AD-PSGD on the digits MLP: accuracy and bytes vs. AD-PSGD (and synchronous D-PSGD for scale).
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/moniqua_adpsgd.py [--epochs 20] [--quick]'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/training/moniqua_adpsgd.py \
+        [--epochs 20] [--quick]'
 
-Same setting as bench/moniqua.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all ranks,
+Same setting as bench/training/moniqua.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all ranks,
 equal-speed ranks); rows: D-PSGD, AD-PSGD, Moniqua-AD-PSGD at its default (4 bits on a rotating quarter of
 each tensor, nearest rounding, theta per tensor), in the paper's form (1 bit on every coordinate, one theta, nearest)
 and at 8 bits on every coordinate. The asynchronous rows depend on the ranks' timing (one run, one seed).
@@ -15,13 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import benchmark_options, report, run_case  # noqa: E402
+from bench.common import BENCH_RESULTS  # noqa: E402
+from bench.training.digits import benchmark_options, report, run_case  # noqa: E402
 
-JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moniqua_adpsgd.json")
+JSON = os.path.join(BENCH_RESULTS, "moniqua_adpsgd.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
 CASES = [  # label, algorithm, options
     ("D-PSGD", "dpsgd", SGD),

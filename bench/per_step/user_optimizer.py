@@ -7,7 +7,7 @@ model-sized scratch copy per step for the update at the pre-mixing iterate; cent
 variants alternate step by step, so machine noise hits them alike; each figure is the median over
 ``--steps`` timed steps (after warm-up) of the slowest rank. Read the ratios to the built-in column.
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 2 python bench/user_optimizer.py'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 2 python bench/per_step/user_optimizer.py'
 """
 
 from __future__ import annotations

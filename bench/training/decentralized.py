@@ -1,8 +1,9 @@
 """Decentralized algorithms on the digits MLP: accuracy and bytes on the wire vs. D-PSGD, on a ring.
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/decentralized.py [--epochs 20] [--quick]'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/training/decentralized.py \
+        [--epochs 20] [--quick]'
 
-Trains bench/common.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
+Trains bench/training/digits.py's 64-128-10 MLP (9,610 parameters) on every rank's IID shard of the digits data
 with SGD momentum 0.9, batch 16, on a ring of all ranks, and reports the consensus (average) model's
 final test loss/accuracy, bytes sent per rank, their ratio to D-PSGD's, bits per parameter per step and
 wall time. Rows: D-PSGD (the baseline), Moniqua's default, 4 bits on half and the paper's 1-bit form,
@@ -22,14 +23,15 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import benchmark_options, report, run_case  # noqa: E402
+from bench.common import BENCH_RESULTS  # noqa: E402
+from bench.training.digits import benchmark_options, report, run_case  # noqa: E402
 from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
-JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decentralized.json")
+JSON = os.path.join(BENCH_RESULTS, "decentralized.json")
 BATCH, TOPOLOGY, BASELINE = 16, "ring", "D-PSGD"
 SGD = {"lr": 0.1, "momentum": 0.9}
 SIGN = {"codec": "sign"}

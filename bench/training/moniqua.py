@@ -1,12 +1,12 @@
 """Moniqua's options on the digits MLP: accuracy, bytes and guard events vs. D-PSGD (the data behind its defaults).
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/moniqua.py [--epochs 20] [--quick]'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/training/moniqua.py [--epochs 20] [--quick]'
 
-Same setting as bench/decentralized.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all
+Same setting as bench/training/decentralized.py (64-128-10 MLP, batch 16, SGD momentum 0.9, lr 0.1, a ring of all
 ranks); rows vary Moniqua's bits, parts, rounding, gamma and theta_c around the default and the paper's
 form. Reports the consensus model's test accuracy, bytes sent per rank during training (ratio to
 D-PSGD's, measured in the same run), bits per parameter per step, and the guard's wrapped parts with the
-final largest theta and gamma (wall time is not measured here: see bench/decentralized.py).
+final largest theta and gamma (wall time is not measured here: see bench/training/decentralized.py).
 Writes bench/results/moniqua.json.
 """
 
@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import benchmark_options, report, run_case  # noqa: E402
+from bench.common import BENCH_RESULTS  # noqa: E402
+from bench.training.digits import benchmark_options, report, run_case  # noqa: E402
 
-JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moniqua.json")
+JSON = os.path.join(BENCH_RESULTS, "moniqua.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
 PAPER = {"bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}
 CASES = [  # label, algorithm, options

@@ -1,6 +1,6 @@
 """Peak resident memory per rank of each algorithm on ResNet-18, in model copies above its baseline.
 
-    python bench/memory.py [--model resnet18] [--ranks 4] [--steps 3] [--algorithms ...] [--topology ring]
+    python bench/per_step/memory.py [--model resnet18] [--ranks 4] [--steps 3] [--algorithms ...] [--topology ring]
                            [--output memory]
 
 Each algorithm runs as its own ``mpiexec`` job (peak RSS only grows, so jobs cannot share a process):
@@ -23,7 +23,7 @@ import resource
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "apps")]
 
 BASELINE = {"allreduce_sgd": None, "allreduce_adam": None, "dpsgd": None, "apmsqueeze": "allreduce_adam",
@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(args.job, args.model, args.steps, args.topology)
-    from bench.apprun import enter_loopback_namespace, markdown_table, write_table
+    from bench.common import enter_loopback_namespace, markdown_table, write_table
 
     enter_loopback_namespace()
     peak, parameters = {}, 0

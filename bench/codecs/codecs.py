@@ -1,6 +1,6 @@
 """Codec throughput: encode + decode of every codec against one copy of the same tensor.
 
-    python bench/codecs.py [--sizes 1M,16M,64M] [--repeat 5] [--clock cpu] [--json bench/results/codecs.json]
+    python bench/codecs/codecs.py [--sizes 1M,16M,64M] [--repeat 5] [--clock cpu] [--json bench/results/codecs.json]
 
 For each size the baselines ``dst.copy_(x)`` (into a preallocated buffer: one read + one write pass, the
 memory-bandwidth limit) and ``x.clone()`` (a fresh tensor: also pays the page faults of new memory), and
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpicomm.codecs import (  # noqa: E402
     HSQCodec,

@@ -1,7 +1,7 @@
 """Where the fused CPU kernels save time, part by part: the same work on the ``kernels`` backend and on the
 ``numpy`` backend (the op-at-a-time path they replaced), in one process, thread CPU time, median of rounds.
 
-    mpiexec -n 4 python bench/kernel_breakdown.py          # all three parts (rank 0 prints)
+    mpiexec -n 4 python bench/codecs/kernel_breakdown.py          # all three parts (rank 0 prints)
 
 * ``frames``: Moniqua 1-bit on ResNet-20, 4 ranks on a ring, per step: the encode (``MoniquaCodec.encode``,
   building the frames included) and the recoveries of both neighbours (``MoniquaCodec.recover``).
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 

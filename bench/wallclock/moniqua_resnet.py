@@ -1,6 +1,6 @@
 """Moniqua on ResNet: the new default (~1 bit/param), ~2 bits/param and the paper's form next to D-PSGD.
 
-    python bench/moniqua_resnet.py [--epochs 10] [--seeds 0,1] [--cases D-PSGD,...] [--extra] [--fresh]
+    python bench/wallclock/moniqua_resnet.py [--epochs 10] [--seeds 0,1] [--cases D-PSGD,...] [--extra] [--fresh]
 
 Every case is a real ``mpiexec`` job of ``apps/train_resnet.py`` (embedded digits 32x32, 32 images per
 rank per step, lr 0.1 cosine, momentum 0.9, ring), one per seed; finished runs are reused (see
@@ -21,9 +21,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import RUNS, enter_loopback_namespace, launch, markdown_table, write_table  # noqa: E402
+from bench.apprun import launch  # noqa: E402
+from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 BASE = ["--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--topology", "ring", "--log-every", "10"]
 DEFAULT = ["--algorithm", "moniqua"]  # bits 4 on a rotating quarter of each tensor, theta per tensor, dither

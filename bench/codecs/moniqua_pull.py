@@ -1,6 +1,6 @@
 """Cost of one Moniqua-AD-PSGD pull on ResNet-20's layout: thread CPU time and host reads per operation.
 
-    python bench/moniqua_pull.py [--device cpu] [--repeats 40] [--out FILE.json]
+    python bench/codecs/moniqua_pull.py [--device cpu] [--repeats 40] [--out FILE.json]
 
 One process, one torch thread, two :class:`~mpicomm.codecs.moniqua.MoniquaPullCodec` (a publisher
 and a reader) on the 59 tensors (272 k parameters) of ResNet-20 (apps/models), the reader's model
@@ -8,12 +8,12 @@ within theta/2 of the publisher's. Per configuration, the median over ``--repeat
 thread CPU time (``time.thread_time``; on CUDA the wall time after a synchronize as well) of the
 publisher's ``encode``, the reader's ``pull`` and its ``mix``, and the number of reads of tensor values
 by Python in each (``.item()``, ``float()``, ``int()``, ``.tolist()``, ``.cpu()`` of a device tensor:
-the counter of ``bench/host_syncs.py``; ``--sites`` lists where). On a GPU each read of a device tensor
+the counter of ``bench/per_step/host_syncs.py``; ``--sites`` lists where). On a GPU each read of a device tensor
 is a host synchronisation; on a CPU every read is counted, of host tensors too (``--sites``: reads per
 round by call site).
 
 The script imports ``mpicomm`` from ``PYTHONPATH`` first, so the same script times another checkout:
-``PYTHONPATH=/path/to/other/checkout python bench/moniqua_pull.py``.
+``PYTHONPATH=/path/to/other/checkout python bench/codecs/moniqua_pull.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import time
 
 import torch
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.append(ROOT)  # after PYTHONPATH: a checkout given there is the one timed
 sys.path.append(os.path.join(ROOT, "apps"))
 
-from bench.host_syncs import SITES, TRACE, Counter  # noqa: E402
+from bench.per_step.host_syncs import SITES, TRACE, Counter  # noqa: E402
 
 CONFIGS = {  # label: (bits, parts, rounding)
     "4 bits, 1/4 parts, nearest (default)": (4, 4, "nearest"),

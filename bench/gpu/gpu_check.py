@@ -1,12 +1,12 @@
 """The GPU check, part by part (``scripts/gpu_check.sh`` runs every part and the report).
 
-    python bench/gpu_check.py codecs --out DIR [--cpu-only]          # one process
-    mpiexec -n 2 python bench/gpu_check.py comm --out DIR            # and -n 4
-    mpiexec -n 2 python bench/gpu_check.py train --out DIR
-    python bench/gpu_check.py throughput --out DIR                    # GPU only
-    mpiexec -n 2 python bench/gpu_check.py steptime --out DIR         # GPU only
-    mpiexec -n 2 python bench/gpu_check.py precision --out DIR
-    python bench/gpu_check.py report --out DIR                        # DIR/gpu_check.json + a table
+    python bench/gpu/gpu_check.py codecs --out DIR [--cpu-only]          # one process
+    mpiexec -n 2 python bench/gpu/gpu_check.py comm --out DIR            # and -n 4
+    mpiexec -n 2 python bench/gpu/gpu_check.py train --out DIR
+    python bench/gpu/gpu_check.py throughput --out DIR                    # GPU only
+    mpiexec -n 2 python bench/gpu/gpu_check.py steptime --out DIR         # GPU only
+    mpiexec -n 2 python bench/gpu/gpu_check.py precision --out DIR
+    python bench/gpu/gpu_check.py report --out DIR                        # DIR/gpu_check.json + a table
 
 The "device" side is ``cuda:{local rank % GPUs}`` (ranks share the GPU). With ``--cpu-only`` it is
 the CPU driven through the code paths CUDA tensors take — the codecs' torch path and staging through
@@ -192,7 +192,7 @@ def report(args) -> int:
         part = json.load(open(path))
         merged["checks"] += part.get("checks", [])
         merged["figures"].update(part.get("figures", {}))
-    syncs = os.path.join(args.out, "host_syncs.json")  # bench/host_syncs.py --device cuda
+    syncs = os.path.join(args.out, "host_syncs.json")  # bench/per_step/host_syncs.py --device cuda
     if os.path.exists(syncs):
         merged["figures"]["host_syncs"] = json.load(open(syncs))
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:

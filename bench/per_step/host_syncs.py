@@ -1,7 +1,7 @@
 """Count the host reads each algorithm step and each codec call makes (what becomes a GPU host sync).
 
-    mpiexec -n 4 python bench/host_syncs.py                    # CPU: reads of tensor values by Python
-    mpiexec -n 4 python bench/host_syncs.py --device cuda      # GPU: also torch's own sync detector
+    mpiexec -n 4 python bench/per_step/host_syncs.py                    # CPU: reads of tensor values by Python
+    mpiexec -n 4 python bench/per_step/host_syncs.py --device cuda      # GPU: also torch's own sync detector
 
 On any device the script counts the calls that pull a tensor's value into Python — ``.item()``,
 ``float()``, ``int()``, ``bool()``, ``.tolist()``, ``.numpy()``, ``.cpu()`` — during steady-state

@@ -1,8 +1,8 @@
 """The peers' compressed methods next to their full-precision baselines, over several seeds (mean and spread).
 
-    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/peers.py [--epochs 20] [--seeds 3]'
+    unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/training/peers.py [--epochs 20] [--seeds 3]'
 
-Trains bench/common.py's 64-128-10 MLP on the digits data (IID shards, batch 16 per rank) with every
+Trains bench/training/digits.py's 64-128-10 MLP on the digits data (IID shards, batch 16 per rank) with every
 case for seeds 0 .. S-1 (the seed sets the initial model, the batch order and the algorithm's own
 draws: PowerSGD's and PowerGossip's initial Q) and reports the test accuracy of the (average) model as
 mean and sample standard deviation over the seeds, with bits per parameter per step (contributed, from
@@ -26,13 +26,14 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from mpi4py import MPI  # noqa: E402
 
-from bench.common import DigitsData, run_case  # noqa: E402
+from bench.common import BENCH_RESULTS  # noqa: E402
+from bench.training.digits import DigitsData, run_case  # noqa: E402
 
-JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peers.json")
+JSON = os.path.join(BENCH_RESULTS, "peers.json")
 BATCH = 16
 SGD = {"lr": 0.1, "momentum": 0.9}
 LAMB = {"lr": 0.01}
