@@ -13,7 +13,7 @@ CHOCO-SGD and DCD-PSGD with the same two codecs (1-bit sign+scale; 4-bit QSGD), 
 Bytes: the Ledger's bytes *sent* (what leaves a rank), read by ``run_case`` before its final
 evaluation, so they are training traffic only.
 
-Target (issue): Moniqua 1-bit within 1 accuracy point of D-PSGD with >= 25x fewer bytes sent.
+Target: Moniqua 1-bit within 1 accuracy point of D-PSGD with >= 25x fewer bytes sent.
 Writes bench/results/decentralized.json.
 """
 

@@ -91,7 +91,8 @@ class MoniquaCodec(PartsMessage, Codec):
         super().__init__(layers, bits, parts, rounding, seed, rank_seed, device)
         self.theta = theta
         self.frames: list[Frame] = []
-        self._scales: torch.Tensor | None = None
+        self._grid: tuple | None = None  # the last encode's (s, 1/s) per run and s per tensor
+        self._default_grid: tuple | None = None
         self._model: torch.Tensor | None = None
         self._own: torch.Tensor | None = None
 
@@ -100,11 +101,18 @@ class MoniquaCodec(PartsMessage, Codec):
         self._check_numel(numel, "MoniquaCodec.payload_bytes")
         return self.layout.message_bytes
 
-    def _thetas(self, theta) -> torch.Tensor:
-        theta = self.theta if theta is None else theta
-        if isinstance(theta, Real):
-            return torch.full((self.count,), float(theta), dtype=torch.float64)
-        return theta
+    def _grid_of(self, theta, device) -> tuple:
+        """``(s, 1/s)`` per run (:func:`per_run`) and s per tensor for ``theta`` (None: the codec's, computed once)."""
+        if theta is None and self._default_grid is not None and self._default_grid[0].device == device:
+            return self._default_grid
+        chosen = self.theta if theta is None else theta
+        if isinstance(chosen, Real):
+            chosen = torch.full((self.count,), float(chosen), dtype=torch.float64)
+        scales = self.grid(chosen)
+        out = (per_run(scales, device), per_run(1.0 / scales, device), scales)
+        if theta is None:
+            self._default_grid = out
+        return out
 
     def encode(self, x: torch.Tensor, step: int = 0, theta=None, out: torch.Tensor | None = None, *,
                mixing: torch.Tensor | None = None, factor: float = 1.0) -> torch.Tensor:
@@ -118,8 +126,7 @@ class MoniquaCodec(PartsMessage, Codec):
         check_flat_float(x, "MoniquaCodec.encode")
         self._check_numel(x.numel(), "MoniquaCodec.encode")
         dev = x.device
-        scales = self.grid(self._thetas(theta))
-        scale, inverse = per_run(scales, dev), per_run(1.0 / scales, dev)
+        scale, inverse, _ = self._grid = self._grid_of(theta, dev)
         key = self._key(step)
         payload = torch.empty(self.layout.message_bytes, dtype=torch.uint8, device=dev) if out is None else out
         body = payload[self.layout.header_bytes:]
@@ -132,7 +139,7 @@ class MoniquaCodec(PartsMessage, Codec):
             frame.encode(x, scale, inverse, noise, self.bits, body, own, factor, mixing[chunk.lo:chunk.hi])
             self.frames.append(frame)
         self.layout.header(payload).copy_(own[:-1].bitwise_and_(LOW31))
-        self._scales, self._model = scales, x
+        self._model = x
         return payload
 
     def _own_buffer(self, device) -> torch.Tensor:
@@ -151,7 +158,7 @@ class MoniquaCodec(PartsMessage, Codec):
         bits, dev = self.bits, mixing.device
         body, count = self.layout.header_bytes, self.count
         fingerprints = torch.zeros(len(rows), count + 1, dtype=torch.int64, device=dev)
-        inverse = per_run(1.0 / self._scales, dev)
+        _, inverse, scales = self._grid
         distance = torch.zeros(count + 1, dtype=torch.float32, device=dev) if observed else None
         for frame in self.frames:  # frame by frame, so that a frame's slice of mixing stays in cache
             lo, hi = frame.chunk.lo, frame.chunk.hi
@@ -160,8 +167,8 @@ class MoniquaCodec(PartsMessage, Codec):
         headers = rows[:, :body].view(torch.int32)
         mismatched = fingerprints[:, :count].bitwise_and_(LOW31).ne_(headers).sum(0).to(torch.float32)
         if distance is not None:  # lattice units until divided by s
-            mismatched = torch.cat([mismatched, distance[:count] / self._scales.to(distance)])
-        self.frames, self._scales, self._model = [], None, None
+            mismatched = torch.cat([mismatched, distance[:count] / scales.to(distance)])
+        self.frames, self._grid, self._model = [], None, None
         return mismatched
 
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,7 +180,7 @@ class MoniquaCodec(PartsMessage, Codec):
         out = prepare_out(out, numel, dev, "MoniquaCodec.decode")
         if self.layout.parts > 1:  # the coordinates not sent this step
             out.copy_(x)
-        inverse = per_run(1.0 / self._scales, dev)
+        inverse = self._grid[1]
         fingerprints = torch.zeros(self.count + 1, dtype=torch.int64, device=dev)
         codes = payload[self.layout.header_bytes:]
         for frame in self.frames:
