@@ -30,7 +30,8 @@ from mpicomm.training.arguments import app_parser  # noqa: E402
 def build_parser():
     """The app's parser: shared training options plus model, corpus and tokenizer options."""
     p = app_parser(__doc__.splitlines()[0], default_algorithm="apmsqueeze", epochs=2)
-    p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "base", "large"],
+                   help="BERT's size: tiny (2 layers, hidden 64), base (12, 768) or large (24, 1024)")
     p.add_argument("--dataset", default="pydoc", choices=["pydoc", "python-docs"],
                    help="without --data: pydoc (Python's 79 documentation topics, embedded, 0.5 MB) or python-docs "
                         "(the standard library's docstrings and comments, 6 MB; built once by the set-up: "
@@ -38,9 +39,9 @@ def build_parser():
     p.add_argument("--data", default="", help="a .txt file or folder of .txt files (instead of --dataset)")
     p.add_argument("--tokenizer", default="", help="a saved tokenizer JSON (default: train one on the corpus)")
     p.add_argument("--vocab-size", type=int, default=0, help="WordPiece vocabulary (0: the preset's default)")
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.1, help="BERT's dropout probability")
     p.add_argument("--eval-sequences", type=int, default=256, help="validation sequences per evaluation")
     return p
 

@@ -35,7 +35,8 @@ def build_parser():
     """The app's parser: shared training options plus data and model options."""
     p = app_parser(__doc__.splitlines()[0], default_algorithm="moniqua", epochs=3)
     p.add_argument("--model", default="resnet20", help=f"one of {', '.join(sorted(MODELS))}")
-    p.add_argument("--norm", default="batch", choices=["batch", "group"])
+    p.add_argument("--norm", default="batch", choices=["batch", "group"],
+                   help="the model's normalisation layers: BatchNorm, or GroupNorm (no running statistics)")
     p.add_argument("--dataset", default="", choices=["", *DATASETS],
                    help="digits (embedded, 1,438 training images), mnist (60,000; fetched once by the set-up: "
                         "python apps/fetch_data.py mnist) or cifar10 (needs --data-dir); "

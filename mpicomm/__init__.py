@@ -1,7 +1,24 @@
 """mpicomm: communication-efficient distributed training over MPI.
 
+The library in a few lines (see :mod:`mpicomm.api`)::
+
+    import mpicomm
+    job = mpicomm.init()
+    algo = mpicomm.wrap(model, optimizer, "moniqua", topology="ring")
+
+Importing ``mpicomm`` initialises nothing: ``init``, ``wrap``, ``sampler``, ``save`` and ``restore`` load MPI
+when first called.
 Pure modules (``topology``, ``codecs``, ``ledger``) import no MPI; ``mpicomm.comm`` is the only package
-that does, so importing ``mpicomm`` itself never initialises MPI.
+that does.
 """
 
 __version__ = "0.1.0"
+__all__ = ["Job", "init", "restore", "sampler", "save", "wrap"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mpicomm' has no attribute {name!r}")

@@ -16,7 +16,8 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mpicomm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mpicomm", description=__doc__.splitlines()[0].replace("``", ""),
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mpicomm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="one neighbour exchange per codec on a ring of all ranks")
@@ -24,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--theta", type=float, default=0.1, help="Moniqua bound theta (default 0.1)")
     plot = sub.add_parser("plot", help="PNG curves from metrics.jsonl files (accuracy vs epoch, time, bytes)")
     plot.add_argument("metrics", nargs="+", help="metrics.jsonl files written by the apps")
-    plot.add_argument("-o", "--output", default="curves.png")
+    plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default curves.png)")
     plot.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy, val_mlm_loss")
     plot.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
     export = sub.add_parser("export", help="a run's model as a torch state_dict file or a Hugging Face folder (no MPI)")
@@ -49,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--preset", default="", help="start from a named preset's settings")
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="an #SBATCH option (nodes, time, ...) or a parameter (ALGORITHM, EPOCHS, ...)")
-        cmd.add_argument("-o", "--output", default="")
+        cmd.add_argument("-o", "--output", default="", help="the job file to write" + (
+            " (default mpicomm-job.sbatch)" if name == "submit" else " (default: print it)"))
         if name == "submit":
             cmd.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
             cmd.add_argument("--sbatch-arg", action="append", default=[], help="extra argument for sbatch")

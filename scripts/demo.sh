@@ -9,10 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null \
    && unshare -n true 2>/dev/null; then
-  scripts/setup_env.sh
+  MPICOMM_EXTRAS=${MPICOMM_EXTRAS:-mpi,apps} scripts/setup_env.sh
   exec env MPICOMM_NETNS=loopback unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
 fi
-scripts/setup_env.sh >/dev/null
+MPICOMM_EXTRAS=${MPICOMM_EXTRAS:-mpi,apps} scripts/setup_env.sh >/dev/null
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RANKS=${RANKS:-4}
@@ -22,7 +22,7 @@ run() {  # label, algorithm arguments...
   local label=$1; shift
   echo "== $label"
   mpiexec -n "$RANKS" python apps/train_resnet.py --model resnet20 --epochs 10 --lr 0.1 --momentum 0.9 \
-    --eval-every 100000 --no-progress --out-dir "runs/demo/$label" "$@" "${EXTRA[@]}"
+    --no-progress --overwrite --out-dir "runs/demo/$label" "$@" "${EXTRA[@]}"
 }
 EXTRA=("$@")
 run dpsgd --algorithm dpsgd

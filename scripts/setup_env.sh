@@ -8,18 +8,25 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 EXTRAS=${MPICOMM_EXTRAS:-mpi,apps,test,tensorboard}
 stamp=.venv/.mpicomm-installed
-want="$(cat setup.cfg setup.py | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
+want="$(cat setup.cfg setup.py | sha256sum | cut -c1-16) $TORCH_SPEC"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+have=$(cat "$stamp" 2>/dev/null || true)
+installed_extras=${have#"$want "}   # the extras installed with this very set-up, if it is this one
+missing=""
+for extra in ${EXTRAS//,/ }; do
+  [[ "$have" == "$want "* && ",$installed_extras," == *",$extra,"* ]] || missing=1
+done
+if [ -n "$missing" ]; then
+  [[ "$have" == "$want "* ]] && EXTRAS="$installed_extras,$EXTRAS"   # keep what is there
   echo "setting up .venv ($TORCH_SPEC, mpicomm[$EXTRAS]); log in .venv/install.log"
   {
     .venv/bin/python -m pip install --upgrade pip &&
     .venv/bin/python -m pip install "$TORCH_SPEC" &&
     .venv/bin/python -m pip install -e ".[$EXTRAS]"
   } > .venv/install.log 2>&1 || { tail -40 .venv/install.log; echo "set-up failed; see .venv/install.log"; exit 1; }
-  echo "$want" > "$stamp"
+  echo "$want $EXTRAS" > "$stamp"
 fi
 # Compile the codecs' numba kernels into their on-disk cache now (once; ~20 s) rather than in a first step.
 .venv/bin/python - <<'PY'

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from data.image_task import ImageTask  # noqa: E402
 from data.images import load_cifar10, shard_indices  # noqa: E402
 
-from mpicomm.training.plot import plot_runs  # noqa: E402
+from mpicomm.training.plot import curves, plot_runs  # noqa: E402
 
 
 def _write_cifar(folder, per_batch=12):
@@ -110,3 +110,23 @@ def test_plot_writes_a_png_and_refuses_bad_input(tmp_path):
         plot_runs([str(tmp_path / "nope.jsonl")], str(tmp_path / "x.png"))
     with pytest.raises(ValueError, match="2 labels for 1"):
         plot_runs(paths[:1], str(tmp_path / "x.png"), labels=["a", "b"])
+    with open(paths[0], "a") as f:
+        f.write('{"event": "train", "step": 3, "loss":\n')
+    with pytest.raises(ValueError, match=r"a/metrics.jsonl, line 3: not a JSON record"):
+        plot_runs(paths[:1], str(tmp_path / "x.png"))
+
+
+def test_plot_draws_the_loss_curve_and_one_point_per_evaluation_of_a_resumed_run(tmp_path):
+    """Train records give the loss curve; a resume at step 4 supersedes what the killed run logged after it."""
+    records = [{"event": "start", "step": 0}]
+    records += [{"event": "train", "step": s, "loss": 10.0 - s} for s in (2, 4, 6)]
+    records += [{"event": "eval", "step": 4, "epoch": 1, "wall_s": 5, "bytes_sent": 2e6, "test_accuracy": 0.5},
+                {"event": "resume", "step": 4}, {"event": "start", "step": 4},
+                {"event": "train", "step": 6, "loss": 3.5}, {"event": "train", "step": 8, "loss": 2.0},
+                {"event": "eval", "step": 8, "epoch": 2, "wall_s": 9, "bytes_sent": 4e6, "test_accuracy": 0.75}]
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run,) = curves([str(path)])
+    assert run["label"] == "run" and run["loss"] == ([2, 4, 6, 8], [8.0, 6.0, 3.5, 2.0])
+    assert run["epoch"] == ([1, 2], [0.5, 0.75]) and run["bytes_sent"] == ([2.0, 4.0], [0.5, 0.75])

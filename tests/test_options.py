@@ -1,5 +1,6 @@
 """The command-line options generated from the algorithms' config dataclasses, and the console helpers."""
 
+import argparse
 import dataclasses
 import io
 import warnings
@@ -66,3 +67,56 @@ def test_console_quiets_other_ranks_and_routes_warnings(monkeypatch):
     assert shown.getvalue() == "app: warning: UserWarning: careful\n"
     monkeypatch.setenv("PMI_RANK", "5")
     assert launcher_rank() == 5
+
+
+def _app_parsers():
+    """Each app's full parser for each algorithm (the app's options and that algorithm's)."""
+    import importlib.util
+    import os
+    import sys
+
+    from mpicomm.training.options import add_algorithm_options
+
+    apps = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps")
+    sys.path.insert(0, apps)
+    for name in ("train_resnet", "train_bert"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(apps, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        with redirect_stdout(io.StringIO()):
+            spec.loader.exec_module(module)
+        for algorithm in sorted(ALGORITHMS):
+            parser = module.build_parser()
+            add_algorithm_options(parser, algorithm)
+            yield f"{name} --algorithm {algorithm}", parser
+
+
+def _subparsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _subparsers(child)
+
+
+def test_every_option_of_every_command_has_help_and_no_markup():
+    """The apps' parsers (each with every algorithm's options) and every ``mpicomm`` sub-command."""
+    from mpicomm.cli import _parser
+
+    parsers = [*_app_parsers(), *(("mpicomm", p) for p in _subparsers(_parser()))]
+    bare = [(where, a.option_strings) for where, p in parsers for a in p._actions
+            if a.option_strings and a.help != "==SUPPRESS==" and not (a.help or "").strip()]
+    assert bare == [], bare
+    texts = [p.format_help() for _, p in parsers]
+    assert not [t for t in texts if "``" in t or ":func:" in t]
+
+
+def test_abbreviated_options_are_refused_and_momentum_defaults_to_what_recipes_use():
+    """``--epoch 1`` was silently taken as ``--epochs``; momentum is 0.9 where the method takes it, else 0."""
+    parsers = dict(_app_parsers())
+    resnet = parsers["train_resnet --algorithm dpsgd"]
+    with redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
+        resnet.parse_args(["--epoch", "1"])
+    assert "unrecognized arguments: --epoch 1" in err.getvalue()
+    assert resnet.parse_args([]).momentum == 0.9
+    assert parsers["train_resnet --algorithm d2"].parse_args([]).momentum == 0.0  # D²'s update has no momentum
+    assert parsers["train_bert --algorithm allreduce_adam"].parse_args([]).momentum == 0.0  # Adam: beta1

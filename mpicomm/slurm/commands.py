@@ -9,6 +9,7 @@ The named job templates (ResNet-20 with Moniqua, …) are the generic template r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -69,10 +70,16 @@ def _rendered(args) -> str:
         return render(f.read(), sets)
 
 
+def _submit_line(text: str, path: str) -> str:
+    """``text`` with its header's "Submit: sbatch …" naming ``path``, the job file actually written."""
+    return re.sub(r"(Submit: sbatch )\S+", lambda m: m.group(1) + path, text, count=1)
+
+
 def main_render(args) -> int:
     """Print (or write to ``-o``) the rendered template."""
     text = _rendered(args)
     if args.output:
+        text = _submit_line(text, args.output)
         with open(args.output, "w") as f:
             f.write(text)
     else:
@@ -82,8 +89,8 @@ def main_render(args) -> int:
 
 def main_submit(args) -> int:
     """Render, write the job file, and hand it to ``sbatch`` (``--wait``: return the job's exit code)."""
-    text = _rendered(args)
     path = args.output or "mpicomm-job.sbatch"
+    text = _submit_line(_rendered(args), path)
     with open(path, "w") as f:
         f.write(text)
     cmd = ["sbatch", *(["--wait"] if args.wait else []), *args.sbatch_arg, path]

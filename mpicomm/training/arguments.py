@@ -41,13 +41,15 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
     p.add_argument("--net", default="", help="model this network on top of the real transfers: BANDWIDTH,LATENCY "
                    f"such as 1gbit,100us, or one of {', '.join(NAMED)} (empty: no model)")
-    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--epochs", type=int, default=epochs, help="passes over the training set (see --max-steps)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
-    p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"])
+    p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"],
+                   help="the learning rate over the run: constant, step (times --lr-gamma at --milestones) or cosine "
+                        "(to 0 at the end)")
     p.add_argument("--lr-warmup-steps", type=int, default=0, help="linear learning-rate warm-up (steps)")
     p.add_argument("--milestones", type=fractions, default=(0.5, 0.75),
                    help="step schedule: fractions of the run where lr is multiplied by --lr-gamma")
-    p.add_argument("--lr-gamma", type=float, default=0.1)
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="step schedule: the factor at each milestone")
     p.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
     p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: each epoch)")
     p.add_argument("--eval-bn-batches", type=int, default=8, metavar="N",

@@ -79,6 +79,22 @@ def field_help(config_class) -> dict[str, str]:
     return out
 
 
+APP_DEFAULTS = {"momentum": 0.9}
+"""Where the apps' command line differs from the library's defaults: momentum 0.9, what every recipe the
+results use trains with (the library keeps 0, plain SGD), for each algorithm whose config accepts it."""
+
+
+def _app_default(cls, field: dataclasses.Field):
+    """``field``'s default on the command line: :data:`APP_DEFAULTS`' value where the config accepts it."""
+    if field.name in APP_DEFAULTS:
+        try:
+            cls.config_class(**{field.name: APP_DEFAULTS[field.name]})
+            return APP_DEFAULTS[field.name]
+        except (ValueError, TypeError):
+            pass
+    return _default(field)
+
+
 def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     """Add the options of algorithm ``name``'s config (``--lr``, ``--bits``, …) to ``parser``."""
     if name not in ALGORITHMS:
@@ -89,7 +105,7 @@ def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     group = parser.add_argument_group(f"{name} options", first_line)
     for field in dataclasses.fields(cls.config_class):
         flag = "--" + field.name.replace("_", "-")
-        default = _default(field)
+        default = _app_default(cls, field)
         if default is dataclasses.MISSING:
             continue
         text = described.get(field.name, "")
@@ -104,7 +120,8 @@ def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def config_kwargs(args: argparse.Namespace, name: str) -> dict:
-    """The config fields of algorithm ``name`` as found on ``args`` (only those that differ from defaults)."""
+    """The config fields of algorithm ``name`` as found on ``args`` (only those that differ from the library's
+    defaults)."""
     out = {}
     for field in dataclasses.fields(ALGORITHMS[name].config_class):
         if hasattr(args, field.name) and getattr(args, field.name) != _default(field):

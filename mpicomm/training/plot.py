@@ -1,8 +1,9 @@
 """``mpicomm plot``: curves from one or several metrics files, so runs of different algorithms compare at a glance.
 
-Three panels from the evaluation records: the metric against epoch, against wall-clock seconds and
-against megabytes sent by rank 0. One line per file, labelled by the file's parent folder (or ``--labels``);
-a resumed run is one line (see :func:`~mpicomm.training.metrics.continued`).
+Four panels: the training loss against the step (every logged window), and the evaluated metric against
+the epoch, against wall-clock seconds and against megabytes sent by rank 0 (one point per evaluation:
+every epoch by default). One line per file, labelled by the file's parent folder (or ``--labels``); a
+resumed run is one line (see :func:`~mpicomm.training.metrics.continued`).
 """
 
 from __future__ import annotations
@@ -12,38 +13,62 @@ import os
 from .metrics import continued, read_metrics
 
 _AXES = {"step", "epoch", "wall_s", "train_s", "bytes_sent", "bytes_received", "bytes_contributed"}
+_PANELS = (("epoch", 1, "epoch"), ("wall_s", 1, "wall-clock seconds"), ("bytes_sent", 1e-6, "MB sent by rank 0"))
 
-__all__ = ["plot_runs"]
+__all__ = ["curves", "plot_runs"]
+
+
+def _records(path: str, metric: str) -> tuple[list[dict], list[dict]]:
+    """(train records with a loss, eval records with ``metric``) of one metrics file; a clear error if none."""
+    if not os.path.isfile(path):
+        raise ValueError(f"metrics file {path!r} does not exist")
+    records = continued(read_metrics(path))
+    every = [r for r in records if r.get("event") == "eval"]
+    evals = [r for r in every if metric in r]
+    if not evals:
+        found = sorted({k for r in every for k, v in r.items() if isinstance(v, (int, float))} - _AXES)
+        raise ValueError(f"{path}: no evaluation records with {metric!r}; "
+                         f"--metric can be one of {', '.join(found) or '(none: no evaluation ran)'}")
+    return [r for r in records if r.get("event") == "train" and r.get("loss") is not None], evals
+
+
+def curves(paths: list[str], metric: str = "test_accuracy", labels: list[str] | None = None) -> list[dict]:
+    """What :func:`plot_runs` draws, per metrics file: ``label``, ``loss`` (steps, losses) and, for each x axis
+    (``epoch``, ``wall_s``, ``bytes_sent`` in MB), the points (x, ``metric``)."""
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"--labels: got {len(labels)} labels for {len(paths)} metrics files")
+    out = []
+    for i, path in enumerate(paths):
+        train, evals = _records(path, metric)
+        run = {"label": labels[i] if labels else os.path.basename(os.path.dirname(os.path.abspath(path))),
+               "loss": ([r["step"] for r in train], [r["loss"] for r in train])}
+        for key, scale, _ in _PANELS:
+            run[key] = ([r.get(key, 0) * scale for r in evals], [r[metric] for r in evals])
+        out.append(run)
+    return out
 
 
 def plot_runs(paths: list[str], output: str, metric: str = "test_accuracy", labels: list[str] | None = None) -> str:
-    """Write a PNG with ``metric`` vs epoch, wall time and bytes sent for each metrics file; return its path."""
+    """Write a PNG of the training loss and ``metric`` (vs epoch, wall time and bytes) per metrics file; its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if labels is not None and len(labels) != len(paths):
-        raise ValueError(f"--labels: got {len(labels)} labels for {len(paths)} metrics files")
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, path in enumerate(paths):
-        if not os.path.isfile(path):
-            raise ValueError(f"metrics file {path!r} does not exist")
-        every = [r for r in continued(read_metrics(path)) if r.get("event") == "eval"]
-        evals = [r for r in every if metric in r]
-        if not evals:
-            found = sorted({k for r in every for k, v in r.items() if isinstance(v, (int, float))} - _AXES)
-            raise ValueError(f"{path}: no evaluation records with {metric!r}; "
-                             f"--metric can be one of {', '.join(found) or '(none: no evaluation ran)'}")
-        label = labels[i] if labels else os.path.basename(os.path.dirname(os.path.abspath(path)))
-        y = [r[metric] for r in evals]
-        for ax, key, scale in ((axes[0], "epoch", 1), (axes[1], "wall_s", 1), (axes[2], "bytes_sent", 1e-6)):
-            ax.plot([r[key] * scale for r in evals], y, marker="o", markersize=3, label=label)
-    for ax, xlabel in zip(axes, ("epoch", "wall-clock seconds", "MB sent by rank 0")):
+    runs = curves(paths, metric, labels)
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    for run in runs:
+        axes[0].plot(*run["loss"], label=run["label"])
+        for ax, (key, _, _) in zip(axes[1:], _PANELS):
+            ax.plot(*run[key], marker="o", markersize=3, label=run["label"])
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss (mean over ranks)")
+    for ax, (_, _, xlabel) in zip(axes[1:], _PANELS):
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric.replace("_", " "))
+    for ax in axes:
         ax.grid(alpha=0.3)
-    axes[2].set_xscale("symlog", linthresh=0.01)
+    axes[3].set_xscale("symlog", linthresh=0.01)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)

@@ -1,0 +1,171 @@
+"""The library in a few lines: what a Horovod or DDP user expects, on top of the algorithms.
+
+    import mpicomm
+    job = mpicomm.init()                                    # MPI, this rank's device, one-line errors
+    model = Net().to(job.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    algo = mpicomm.wrap(model, optimizer, "moniqua", topology="ring", bits=1)
+    for x, y in loader:                                     # loader with mpicomm.sampler(dataset)
+        algo.zero_grad()
+        loss_fn(model(x), y).backward()
+        algo.step()                                         # communicates, then steps your optimizer
+    with algo.averaged_model() as averaged:                 # every rank: the average of all ranks' models
+        evaluate(averaged)
+    mpicomm.save("runs/a", algo, step=100, scheduler=scheduler.state_dict())   # every rank's state, HDF5
+    step, extra = mpicomm.restore("runs/a", algo)           # a later job: on from the latest checkpoint
+
+:func:`init` also installs how errors end a job: an error every rank raised alike (a bad option, a
+checkpoint that cannot be used) is printed once, by rank 0, in one line, and every rank exits with
+status 2; any other uncaught exception prints that rank's traceback and aborts the whole job, so no
+rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Job", "init", "restore", "sampler", "save", "wrap"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """This process's place in the job: ``rank`` of ``size``, ``local_rank`` on its node, its ``device``."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    world: object  # the MPI communicator of every rank (mpi4py's), for those who want it
+
+
+_JOB: Job | None = None
+
+
+def _excepthook(kind, value, tb) -> None:
+    """Agreed errors: one line from rank 0, exit 2 everywhere; anything else: this rank's traceback, then abort."""
+    from .comm import world
+    from .errors import agreed_of
+
+    comm = world()
+    mark = agreed_of(value)
+    if mark is not None:
+        if comm.Get_rank() == 0:
+            sys.stderr.write(f"mpicomm: error: {mark.describe()}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception; aborting the job\n")
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+    if comm.Get_size() > 1:
+        comm.Abort(1)
+    os._exit(1)
+
+
+def init(device: str = "auto", errors: bool = True) -> Job:
+    """Start (or join) the MPI job: this rank's :class:`Job`; idempotent.
+
+    ``device``: ``auto`` (``cuda:{local_rank % GPUs}`` when CUDA is available, else the CPU), ``cpu``,
+    ``cuda`` or ``cuda:N``; a CUDA device is made current. ``errors``: install the job-wide error handling
+    described in the module docstring (``sys.excepthook``).
+    """
+    global _JOB
+    if _JOB is None:
+        from .comm import node_layout, raise_together, world
+        from .training.device import select_device
+
+        comm = world()
+        local, _ = node_layout(comm)
+        chosen, error = None, None
+        try:
+            chosen = select_device(device, local)
+        except ValueError as exc:
+            error = exc
+        raise_together(comm, error)
+        if chosen.type == "cuda":
+            torch.cuda.set_device(chosen)
+        _JOB = Job(comm.Get_rank(), comm.Get_size(), local, chosen, comm)
+    if errors:
+        sys.excepthook = _excepthook
+    return _JOB
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, algorithm: str = "allreduce_sgd",
+         *, topology: str = "ring", net: str | None = None, **options):
+    """Collective: ``algorithm`` (a name of :data:`mpicomm.algorithms.ALGORITHMS`) around ``model`` on every rank.
+
+    ``optimizer``: your ``torch.optim`` optimizer over ``model``'s parameters, used as the local step (None:
+    the algorithm's built-in one from ``lr``, ``momentum``, ``weight_decay``). ``topology``: the graph the
+    decentralized methods gossip on (``ring``, ``torus``, ``exponential``, …). ``net``: a network to model
+    on top of the real transfers (``"1gbit,100us"``). ``options``: the algorithm's own (``bits=1``, …).
+    Every rank must call it with the same arguments; a bad one is the same one-line error on every rank.
+    """
+    from . import topology as topologies
+    from .algorithms import make_algorithm
+    from .comm import Communicator, raise_together
+
+    job = _JOB or init()
+    graph, error = None, None
+    try:
+        graph = topologies.build(topology, job.size)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    raise_together(job.world, error)
+    return make_algorithm(algorithm, model, Communicator(job.world, graph, net=net), optimizer=optimizer, **options)
+
+
+def sampler(dataset, *, shuffle: bool = True, seed: int = 0):
+    """A ``torch.utils.data.DistributedSampler`` for this rank: its share of ``dataset``, as many samples on every
+    rank (``drop_last``: the ranks take equal numbers of steps, which synchronous methods need). Call its
+    ``set_epoch(epoch)`` at every epoch for a fresh order."""
+    from torch.utils.data import DistributedSampler
+
+    job = _JOB or init()
+    return DistributedSampler(dataset, num_replicas=job.size, rank=job.rank, shuffle=shuffle, seed=seed,
+                              drop_last=True)
+
+
+def save(directory, algo, step: int, keep_last: int | None = 2, **extra) -> str:
+    """Collective: commit a checkpoint of every rank as ``directory/step-<step>`` (atomic; HDF5, one file per rank).
+
+    It holds the algorithm's whole state (parameters, optimizer, error buffers, replicas, …), the model's
+    buffers, every global random generator and ``extra`` (tensors, numbers, strings, nested dicts: e.g. a
+    scheduler's ``state_dict()``), so that :func:`restore` continues bit for bit. Older checkpoints beyond
+    ``keep_last`` are removed. Returns the checkpoint's path.
+    """
+    from .checkpoint import capture_rng_state, run_meta, save_checkpoint
+
+    state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(algo.flat.data.device),
+             "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()}, "extra": extra}
+    return str(save_checkpoint(directory, algo.comm, state, step=step, meta=run_meta(algo.comm, algo),
+                               keep_last=keep_last))
+
+
+def restore(path, algo) -> tuple[int, dict]:
+    """Collective: load :func:`save`'s checkpoint into ``algo`` (a run directory: its latest); ``(step, extra)``.
+
+    The checkpoint must come from the same world size, algorithm, topology and model: anything else is the
+    same one-line error on every rank. Tensors land on the device of ``algo``'s parameters.
+    """
+    from pathlib import Path
+
+    from .checkpoint import latest_checkpoint, load_checkpoint, map_location, restore_rng_state
+
+    where = Path(path)
+    if where.is_dir() and not (where / "checkpoint.h5").exists():
+        where = latest_checkpoint(where) or where
+    expect = {"algorithm": {"name": algo.name}, "model_signature": repr(algo.flat.signature())}
+    state, meta = load_checkpoint(where, algo.comm, expect=expect)
+    device = algo.flat.data.device
+    state = map_location(state, device)
+    algo.load_state_dict(state["algorithm"])
+    buffers = dict(algo.model.named_buffers())
+    for name, value in state["buffers"].items():
+        buffers[name].copy_(value)
+    restore_rng_state(state["rng"], device)
+    return int(meta["step"]), state.get("extra", {})
