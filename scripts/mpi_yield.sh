@@ -1,5 +1,5 @@
 # Sourced by the launch scripts (demo.sh, test.sh): with more MPI ranks than cores, MPICH's waiting ranks
-# busy-poll the cores their peers need; `python bench/comm.py --compare-yield 4` measured small neighbour
+# busy-poll the cores their peers need; `python bench/transport/comm.py --compare-yield 4` measured small neighbour
 # exchanges 15-27x faster on 2 cores with MPIR_CVAR_ENABLE_HEAVY_YIELD=1 (a waiting rank sleeps instead).
 # Open MPI's equivalent, OMPI_MCA_mpi_yield_when_idle=1, is set too (each library ignores the other's).
 # A value already in the environment wins; slurm/generic.sbatch does the same from SLURM's counts.

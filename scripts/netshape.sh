@@ -24,7 +24,7 @@
 # non-interactive shell, SIGINT is ignored, so stop such a run with SIGTERM. Needs root, ip, tc.
 # The netem path (latency > 0 on a kernel with sch_netem) is untested where this was written (no netem).
 #
-#   scripts/netshape.sh mpirun --ranks 4 --net 1gbit,0us -- python bench/comm.py
+#   scripts/netshape.sh mpirun --ranks 4 --net 1gbit,0us -- python bench/transport/comm.py
 #   scripts/netshape.sh run --ranks 4 --net slow -- mpiexec -n 4 '$MPICOMM_NETSHAPE_WRAP' python x.py
 #   scripts/netshape.sh up --ranks 2 --net 100mbit,0us --id demo; scripts/netshape.sh down --id demo
 set -euo pipefail

@@ -114,8 +114,9 @@ def test_overwrite_deletes_the_earlier_run_and_starts_over(comm, capsys, tmp_pat
     names = sorted(os.listdir(out)) if comm.Get_rank() == 0 else []
     starts = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["event"] == "start"] \
         if comm.Get_rank() == 0 else [{}]
-    assert_all(comm, code == 0 and (comm.Get_rank() != 0 or (names == ["metrics.jsonl"] and len(starts) == 1)),
-               f"exit {code}, files {names}")
+    # the earlier run's checkpoints (steps 1..3) are gone; what is left is the new run's own end (step 2)
+    ok = names == ["latest", "metrics.jsonl", "step-000000002"] and len(starts) == 1
+    assert_all(comm, code == 0 and (comm.Get_rank() != 0 or ok), f"exit {code}, files {names}")
 
 
 def _lock_holder(pid: int, host: str) -> str:

@@ -1,4 +1,4 @@
-"""The codecs' fast paths against their plain references, bit for bit (issue 14).
+"""The codecs' fast paths against their plain references, bit for bit.
 
 * ``bitpack.unpack_lookup`` moves a byte's floats as whole 8/16-byte words when ``out`` is aligned and as
   float rows otherwise: both must equal ``table[codes]`` byte for byte, NaN payloads included.

@@ -25,11 +25,13 @@ def _run(tmp_path, name: str, bn_batches: int):
 
 
 def _datasets(path) -> dict[str, np.ndarray]:
-    """Every dataset of the ranks' state that training depends on (not counters, clocks or configs)."""
+    """Every dataset of the ranks' state that training depends on (not counters, clocks, configs, or the
+    evaluated model the final checkpoint keeps for export)."""
     out = {}
 
     def visit(name, obj):
-        if isinstance(obj, h5py.Dataset) and "/counters/" not in f"/{name}/" and "config" not in name:
+        if isinstance(obj, h5py.Dataset) and "/counters/" not in f"/{name}/" and "config" not in name \
+                and "/evaluated/" not in f"/{name}/":
             out[name] = obj[()]
 
     with h5py.File(path, "r") as f:

@@ -4,7 +4,7 @@ of the real transfer, non-blocking transfers hide behind compute, and evaluation
 Runs at 1, 2 and 4 ranks. Wall time is only bounded from below (a call never returns before its
 modelled cost has passed) and, to catch a hang, from far above; everything finer is read from the
 clock's own books (what was modelled, what was slept), which do not depend on how busy the machine is.
-How close real time comes to the model is measured in ``bench/net_validate.py``, not asserted here.
+How close real time comes to the model is measured in ``bench/transport/net_validate.py``, not asserted here.
 """
 
 import time

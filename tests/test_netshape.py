@@ -83,7 +83,7 @@ def _probe(net: str, ranks: int, *probe_args) -> dict:
 @needs_netns
 # Bounds: never faster than the shaped rate (so the shaping is applied), and below 5x it, which a
 # bit/byte mix-up (8x) would break; a loaded machine stays far inside both. How close real shaping
-# comes to the model (1.07-1.32x here) is measured by bench/net_validate.py, not asserted.
+# comes to the model (1.07-1.32x here) is measured by bench/transport/net_validate.py, not asserted.
 @pytest.mark.parametrize("net,nbytes,low,high", [("100mbit,0us", 6_000_000, 0.90, 5.0),
                                                  ("1gbit,0us", 30_000_000, 0.90, 5.0)])
 def test_send_takes_the_shaped_time(no_leftovers, net, nbytes, low, high):

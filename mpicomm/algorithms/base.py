@@ -26,6 +26,7 @@ needs to continue bit-exactly in ``state_dict()``.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..comm import Communicator, raise_together
+from ..errors import mark_agreed
 from ..flat import FlatParameters
 
 __all__ = ["Algorithm", "AlgorithmConfig", "check_bool", "check_int", "check_range", "clone_optimizer_state"]
@@ -127,6 +129,7 @@ class Algorithm(abc.ABC):
         self.max_grad_norm: float | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self._micro = 0
+        self._stepping = False
         self._step_start = comm.ledger.totals()
         self._last_step: dict[str, int] = {k: 0 for k in self._step_start}
         self._check_same_everywhere()
@@ -208,6 +211,15 @@ class Algorithm(abc.ABC):
             f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
         self.optimizer = optimizer
         self.user_optimizer = True
+        optimizer.register_step_pre_hook(self._refuse_outside_step)
+
+    def _refuse_outside_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice."""
+        if not self._stepping:
+            message = (f"optimizer.step() was called outside {self.name}'s step(): the algorithm steps your "
+                       "optimizer itself, inside algo.step() (after communicating); remove the optimizer.step() "
+                       "call, or the model would be updated twice")
+            raise mark_agreed(RuntimeError(message), message, range(self.comm.size), self.comm.size)
 
     def _check_user_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook: raise ``ValueError`` if this configuration cannot use ``optimizer`` (nothing here)."""
@@ -313,7 +325,11 @@ class Algorithm(abc.ABC):
         self._step_start = self.comm.ledger.totals()
         grad = self.flat.gather_grads()
         self._prepare(grad)
-        self._step(grad)
+        self._stepping = True
+        try:
+            self._step(grad)
+        finally:
+            self._stepping = False
         self.step_count += 1
         now = self.comm.ledger.totals()
         self._last_step = {k: now[k] - self._step_start[k] for k in now}
@@ -397,6 +413,32 @@ class Algorithm(abc.ABC):
         avg = self.flat.data.detach().clone()
         self.comm.allreduce(avg)
         return avg.div_(self.comm.size)
+
+    @contextlib.contextmanager
+    def averaged_model(self, buffers: str = "average"):
+        """Collective: within the block ``self.model`` holds the average of every rank's parameters; restored after.
+
+        What decentralized methods evaluate and save (their ranks' models differ); for centralized ones it is
+        the model every rank already holds. ``buffers``: ``"average"`` (BatchNorm running statistics and other
+        floating-point buffers averaged over the ranks too) or ``"own"`` (this rank's). Yields the model::
+
+            with algo.averaged_model() as model:
+                torch.save(model.state_dict(), "model.pt")   # on rank 0, say
+        """
+        if buffers not in ("average", "own"):
+            raise ValueError(f"averaged_model: buffers must be 'average' or 'own', got {buffers!r}")
+        saved = self.flat.data.clone()
+        floating = [b for b in self.model.buffers() if b.is_floating_point()] if buffers == "average" else []
+        kept = [b.clone() for b in floating]
+        self.flat.data.copy_(self.consensus_model())
+        for b in floating:
+            b.copy_(self.comm.allreduce(b.detach().clone()).div_(self.comm.size))
+        try:
+            yield self.model
+        finally:
+            self.flat.data.copy_(saved)
+            for b, value in zip(floating, kept):
+                b.copy_(value)
 
     def consensus_distance(self) -> float:
         """Collective: sqrt(mean_i ||x_i - x_bar||^2), the spread of the ranks' models."""

@@ -6,7 +6,7 @@ x̄ is none of those models. With the ranks far apart (a large consensus distanc
 a coarse quantizer) one rank's statistics misdescribe x̄ badly — measured on a Moniqua ResNet-20 on an 8-ring
 (consensus distance 2.5): x̄ scored 14 % with rank 0's statistics, 19–54 % with any other rank's, 28 % with
 their average, and 61 % with statistics recomputed for x̄ (the best single rank: 59 %;
-``bench/export_batchnorm.py``). So, as ``torch.optim.swa_utils.update_bn`` does for an averaged (SWA) model,
+``bench/training/export_batchnorm.py``). So, as ``torch.optim.swa_utils.update_bn`` does for an averaged (SWA) model,
 the running statistics are recomputed with x̄ loaded: every rank runs the first ``batches`` training batches
 of epoch 0 through x̄ in train mode (cumulative average, ``momentum=None``), the ranks average the results
 (every rank then holds the same statistics, over all shards), x̄ is evaluated, and everything is put back —

@@ -1,0 +1,179 @@
+"""The seeds' claims where users run them: full MNIST, 8 to 32 ranks, 1,500 steps, 2 seeds (mean ± half-spread).
+
+    python bench/training/scale.py [--parts decentralized,large,noniid,scaling,centralized,network] [--seeds 0,1]
+                          [--steps 1500] [--fresh]
+
+Every case is a real ``mpiexec`` job of ``apps/train_resnet.py --dataset mnist`` (60,000 training images,
+evaluated on the first 2,000 test images every 250 steps and at the end; ResNet-8, the 6n+2 family's
+smallest: ResNet-20 takes 2.5x its compute, too much for these 8-32-rank runs on 2 cores), batch 8 per
+rank, lr 0.1 cosine, momentum 0.9 (D²: 0, its update has none), the ranks oversubscribed on this
+machine's cores (time per step is therefore not a cluster's: the ``network`` part models that). Parts:
+
+* ``decentralized``: D-PSGD, Moniqua (the default and the paper's 1-bit form), CHOCO and DCD (4-bit QSGD)
+  and D² at 8 ranks on a ring, D-PSGD and Moniqua's default on the exponential graph; IID shards;
+* ``large``: D-PSGD and Moniqua's default at 16 ranks, ring and exponential;
+* ``noniid``: D-PSGD and Moniqua's default at 8 ranks on a ring, Dirichlet(0.1) shards;
+* ``scaling``: CPD-SGDM (4-bit QSGD, period 4) at 4, 8, 16 and 32 ranks with the learning rate scaled
+  linearly with the ranks (0.1 at 4; 100 warm-up steps): steps to 97 % against the ranks (linear
+  speed-up: steps x ranks constant);
+* ``centralized``: HSQ (d=16) against AllReduce-SGD at 8 ranks;
+* ``network``: time to 97 % on 16 single-core nodes under ``--net gbit`` and ``--net slow`` for every
+  method of ``large``/``decentralized``/``centralized``: the steps to 97 % from the 16-rank (or 8-rank)
+  runs, times each method's per-step compute (measured on 2 ranks, one per core) plus its per-step
+  modelled communication at 16 ranks (measured over 30 steps under each setting).
+
+A finished case is reused unless ``--fresh``. Writes docs/results/scale.{md,json}.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench.apprun import SETTINGS, AppRun, bench_parser, launch  # noqa: E402
+from bench.common import RUNS, enter_loopback_namespace, write_table  # noqa: E402
+
+TARGET = 0.97
+BASE = ["--dataset", "mnist", "--model", "resnet8", "--batch-size", "8", "--lr", "0.1", "--momentum", "0.9",
+        "--eval-limit", "2000", "--eval-every", "250", "--log-every", "50"]
+QSGD4 = ["--codec", "qsgd", "--codec-options", "bits=4"]
+METHODS = {
+    "D-PSGD": ["--algorithm", "dpsgd"],
+    "Moniqua default": ["--algorithm", "moniqua"],
+    "Moniqua paper 1-bit": ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model",
+                            "--rounding", "nearest"],
+    "CHOCO qsgd 4-bit": ["--algorithm", "choco", *QSGD4, "--gamma", "0.6"],
+    "DCD qsgd 4-bit": ["--algorithm", "dcd", *QSGD4],
+    "D2": ["--algorithm", "d2", "--momentum", "0"],
+    "PD-SGDM p=4": ["--algorithm", "pdsgdm", "--period", "4"],
+    "CPD-SGDM qsgd 4-bit p=4": ["--algorithm", "cpdsgdm", *QSGD4, "--period", "4", "--gamma", "0.6"],
+    "AllReduce-SGD": ["--algorithm", "allreduce_sgd", "--topology", "complete"],
+    "HSQ d=16": ["--algorithm", "hsq", "--d", "16", "--topology", "complete"],
+    "QSGD 4-bit": ["--algorithm", "qsgd", "--bits", "4", "--topology", "complete"],
+    "TernGrad": ["--algorithm", "terngrad", "--topology", "complete"],
+}
+DECENTRALIZED = ["D-PSGD", "Moniqua default", "Moniqua paper 1-bit", "CHOCO qsgd 4-bit", "DCD qsgd 4-bit", "D2"]
+PARTS = {  # part -> [(ranks, topology, extra arguments, methods)]
+    "decentralized": [(8, "ring", [], DECENTRALIZED), (8, "exponential", [], ["D-PSGD", "Moniqua default"])],
+    "large": [(16, topology, [], ["D-PSGD", "Moniqua default"]) for topology in ("ring", "exponential")],
+    "noniid": [(8, "ring", ["--dirichlet-alpha", "0.1"], ["D-PSGD", "Moniqua default"])],
+    "scaling": [(n, "ring", ["--lr", f"{0.1 * n / 4:g}", "--lr-warmup-steps", "100"], ["CPD-SGDM qsgd 4-bit p=4"])
+                for n in (4, 8, 16, 32)],
+    "centralized": [(8, "ring", [], ["AllReduce-SGD", "HSQ d=16"])],
+}
+
+
+def _run(part: str, ranks: int, topology: str, extra: list[str], method: str, seed: int, steps: int,
+         fresh: bool) -> AppRun:
+    args = [*BASE, "--max-steps", str(steps), "--epochs", "1000", "--topology", topology, *METHODS[method],
+            *extra, "--seed", str(seed)]
+    label = f"{method} {ranks}x {topology} seed {seed}"
+    run_dir = os.path.join(RUNS, "scale", part, f"{ranks}-{topology}", method.replace(" ", "_"), f"seed{seed}")
+    return launch(label, "train_resnet.py", ranks, args, run_dir, fresh=fresh, timeout=7200)
+
+
+def steps_to(run: AppRun, target: float) -> int | None:
+    """The first evaluated step at which the averaged model reaches ``target`` test accuracy (None: never)."""
+    return next((step for _, acc, step in run.evals("test_accuracy") if acc >= target), None)
+
+
+def _summary(runs: list[AppRun]) -> dict:
+    accs = [r.end["test_accuracy"] for r in runs]
+    reached = [steps_to(r, TARGET) for r in runs]
+    return {"accuracy_per_seed": accs, "mean": statistics.fmean(accs), "half_spread": (max(accs) - min(accs)) / 2,
+            "consensus_distance": statistics.fmean(r.end.get("consensus_distance") or 0.0 for r in runs),
+            "mb_sent_rank0": runs[0].end["bytes_sent"] / 1e6, "bits_per_parameter": runs[0].bits_per_parameter(),
+            "steps_to_target": reached,
+            "mean_steps_to_target": statistics.fmean(reached) if all(reached) else None,
+            "commands": [" ".join(r.command) for r in runs]}
+
+
+NETWORK = [("large", 16, "ring", "D-PSGD"), ("large", 16, "ring", "Moniqua default"),
+           ("decentralized", 8, "ring", "Moniqua paper 1-bit"), ("decentralized", 8, "ring", "CHOCO qsgd 4-bit"),
+           ("decentralized", 8, "ring", "DCD qsgd 4-bit"), ("decentralized", 8, "ring", "D2"),
+           ("scaling", 16, "ring", "CPD-SGDM qsgd 4-bit p=4"),
+           ("centralized", 8, "ring", "AllReduce-SGD"), ("centralized", 8, "ring", "HSQ d=16")]
+
+
+def _network(table: dict, fresh: bool) -> list[dict]:
+    """Time to target on 16 single-core nodes: steps to target x (compute on 2 ranks, one per core, + modelled
+    communication at 16 ranks) per step, for each method of :data:`NETWORK` whose runs exist and reached it."""
+    out = []
+    probe = [*BASE, "--max-steps", "30", "--epochs", "1000", "--eval-every", "100000", "--log-every", "10",
+             "--eval-limit", "100"]
+    for key in NETWORK:
+        row = table.get(key)
+        if row is None or row["mean_steps_to_target"] is None:
+            continue
+        method = key[3]
+        base = os.path.join(RUNS, "scale", "network", method.replace(" ", "_"))
+        compute = launch(f"{method} compute", "train_resnet.py", 2, [*probe, *METHODS[method]],
+                         os.path.join(base, "compute"), fresh=fresh).per_step(first=10)["compute_s"]
+        entry = {"method": method, "steps_to_target_at": key[1], "steps_to_target": row["mean_steps_to_target"],
+                 "compute_s_per_step": compute}
+        for setting in ("gbit", "slow"):
+            run = launch(f"{method} {setting}", "train_resnet.py", 16,
+                         [*probe, "--topology", "ring", *METHODS[method], "--net", SETTINGS[setting]],
+                         os.path.join(base, setting), fresh=fresh)
+            comm = run.per_step(first=10)["comm_s"]
+            entry[f"comm_s_per_step_{setting}"] = comm
+            entry[f"time_to_target_s_{setting}"] = row["mean_steps_to_target"] * (compute + comm)
+        out.append(entry)
+    return out
+
+
+def _markdown(table: dict, network: list[dict]) -> str:
+    lines = ["| part | ranks | topology | method | test acc % (per seed) | mean ± half-spread | vs D-PSGD (points) | "
+             f"consensus distance | MB sent by rank 0 | bits/param/step | steps to {100 * TARGET:.0f} % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (part, ranks, topology, method), row in table.items():
+        base = table.get((part, ranks, topology, "D-PSGD"))
+        delta = f"{100 * (row['mean'] - base['mean']):+.2f}" if base else "–"
+        reached = " / ".join(str(s) if s else "never" for s in row["steps_to_target"])
+        lines.append(f"| {part} | {ranks} | {topology} | {method} | "
+                     f"{' / '.join(f'{100 * a:.2f}' for a in row['accuracy_per_seed'])} | "
+                     f"{100 * row['mean']:.2f} ± {100 * row['half_spread']:.2f} | {delta} | "
+                     f"{row['consensus_distance']:.3g} | {row['mb_sent_rank0']:.1f} | "
+                     f"{row['bits_per_parameter']:.2f} | {reached} |")
+    if network:
+        lines += ["", f"Time to {100 * TARGET:.0f} % on 16 single-core nodes (steps to target x (compute + modelled "
+                  "communication) per step):", "",
+                  "| method | steps to target | compute s/step | comm s/step gbit | comm s/step slow | "
+                  "time to target gbit (s) | time to target slow (s) |", "|---|---|---|---|---|---|---|"]
+        for e in sorted(network, key=lambda e: e["time_to_target_s_slow"]):
+            lines.append(f"| {e['method']} | {e['steps_to_target']:.0f} ({e['steps_to_target_at']} ranks) | "
+                         f"{e['compute_s_per_step']:.4f} | {e['comm_s_per_step_gbit']:.4f} | "
+                         f"{e['comm_s_per_step_slow']:.4f} | {e['time_to_target_s_gbit']:.1f} | "
+                         f"{e['time_to_target_s_slow']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Run the chosen parts, then write the table and JSON."""
+    parser = bench_parser(__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join([*PARTS, "network"]))
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--steps", type=int, default=1500)
+    args = parser.parse_args()
+    enter_loopback_namespace()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    chosen = args.parts.split(",")
+    table = {}
+    for part in [p for p in chosen if p in PARTS]:
+        for ranks, topology, extra, methods in PARTS[part]:
+            for method in methods:
+                runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh) for seed in seeds]
+                table[(part, ranks, topology, method)] = _summary(runs)
+    network = _network(table, args.fresh) if "network" in chosen else []
+    title = (f"Full MNIST, ResNet-8, batch 8 per rank, {args.steps} steps, seeds {args.seeds}; accuracy of the "
+             "averaged model on 2,000 test images")
+    payload = {"target": TARGET, "rows": [{"part": k[0], "ranks": k[1], "topology": k[2], "method": k[3], **v}
+                                          for k, v in table.items()], "network": network}
+    write_table("scale", title, _markdown(table, network), payload)
+
+
+if __name__ == "__main__":
+    main()
