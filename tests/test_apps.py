@@ -33,7 +33,8 @@ BERT = ["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-sequ
 CASES = {
     "resnet-dpsgd-2": (2, "train_resnet.py", RESNET + ["--algorithm", "dpsgd", "--momentum", "0.9"]),
     "resnet-moniqua1bit-2": (2, "train_resnet.py",
-                             RESNET + ["--algorithm", "moniqua", "--bits", "1", "--momentum", "0"]),
+                             RESNET + ["--algorithm", "moniqua", "--bits", "1", "--momentum", "0",
+                                        "--theta", "adaptive"]),
     "resnet-cpdsgdm-4": (4, "train_resnet.py", RESNET + ["--algorithm", "cpdsgdm", "--period", "2"]),
     "bert-apmsqueeze-2": (2, "train_bert.py", BERT + ["--algorithm", "apmsqueeze", "--warmup-steps", "2"]),
     "bert-allreduce_adam-4": (4, "train_bert.py", BERT + ["--algorithm", "allreduce_adam"]),

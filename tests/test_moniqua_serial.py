@@ -72,7 +72,7 @@ def test_expected_pull_matrix():
 
 # ---------------------------------------------------------------------- theta per tensor
 def test_theta_per_tensor_follows_each_tensors_step_down_and_up():
-    rule = TensorTheta(3, MoniquaConfig(theta_c=1.5, theta_decay=0.5), t=2.0)
+    rule = TensorTheta(3, MoniquaConfig(theta="adaptive", theta_c=1.5, theta_decay=0.5), t=2.0)
     assert not rule.ready()
     rule.observe(torch.tensor([1.0, 0.1, 4.0], dtype=torch.float64))
     assert torch.equal(rule.theta(), torch.tensor([1.0, 0.1, 4.0], dtype=torch.float64) * 2 * 1.5 * 2.0)
@@ -83,7 +83,7 @@ def test_theta_per_tensor_follows_each_tensors_step_down_and_up():
 
 
 def test_theta_per_model_is_one_theta():
-    rule = TensorTheta(3, MoniquaConfig(theta_per="model"), t=1.0)
+    rule = TensorTheta(3, MoniquaConfig(theta="adaptive", theta_per="model"), t=1.0)
     rule.observe(torch.tensor([1.0, 0.1, 4.0]))
     assert torch.equal(rule.theta(), torch.full((3,), 8.0, dtype=torch.float64))
     rule.guard(torch.tensor([0.0, 1.0, 0.0]))

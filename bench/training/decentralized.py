@@ -40,7 +40,8 @@ CASES = [  # label, algorithm, options
     (BASELINE, "dpsgd", SGD),
     ("Moniqua default", "moniqua", SGD),  # 4 bits on a rotating quarter of each tensor, theta per tensor
     ("Moniqua 4-bit 1/2", "moniqua", {**SGD, "parts": 2}),
-    ("Moniqua paper 1-bit", "moniqua", {**SGD, "bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}),
+    ("Moniqua paper 1-bit", "moniqua", {**SGD, "bits": 1, "parts": 1, "theta_per": "model", "theta": "adaptive",
+                                              "rounding": "nearest"}),
     ("CHOCO sign", "choco", {**SGD, **SIGN, "gamma": 0.4}),
     ("DCD sign", "dcd", {**SGD, **SIGN}),
     ("CHOCO qsgd 4-bit", "choco", {**SGD, **QSGD4, "gamma": 0.6}),

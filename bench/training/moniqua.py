@@ -24,7 +24,7 @@ from bench.training.digits import benchmark_options, report, run_case  # noqa: E
 
 JSON = os.path.join(BENCH_RESULTS, "moniqua.json")
 SGD = {"lr": 0.1, "momentum": 0.9}
-PAPER = {"bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}
+PAPER = {"bits": 1, "parts": 1, "theta_per": "model", "theta": "adaptive", "rounding": "nearest"}
 CASES = [  # label, algorithm, options
     ("D-PSGD", "dpsgd", SGD),
     ("Moniqua default (4-bit, 1/4)", "moniqua", SGD),

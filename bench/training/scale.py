@@ -43,8 +43,9 @@ QSGD4 = ["--codec", "qsgd", "--codec-options", "bits=4"]
 METHODS = {
     "D-PSGD": ["--algorithm", "dpsgd"],
     "Moniqua default": ["--algorithm", "moniqua"],
+    "Moniqua adaptive theta": ["--algorithm", "moniqua", "--theta", "adaptive"],
     "Moniqua paper 1-bit": ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model",
-                            "--rounding", "nearest"],
+                            "--rounding", "nearest", "--theta", "adaptive"],
     "CHOCO qsgd 4-bit": ["--algorithm", "choco", *QSGD4, "--gamma", "0.6"],
     "DCD qsgd 4-bit": ["--algorithm", "dcd", *QSGD4],
     "D2": ["--algorithm", "d2", "--momentum", "0"],
@@ -54,15 +55,18 @@ METHODS = {
     "HSQ d=16": ["--algorithm", "hsq", "--d", "16", "--topology", "complete"],
     "QSGD 4-bit": ["--algorithm", "qsgd", "--bits", "4", "--topology", "complete"],
     "TernGrad": ["--algorithm", "terngrad", "--topology", "complete"],
+    "AllReduce-Adam": ["--algorithm", "allreduce_adam", "--topology", "complete", "--lr", "0.002", "--momentum", "0"],
+    "APMSqueeze": ["--algorithm", "apmsqueeze", "--topology", "complete", "--lr", "0.002", "--momentum", "0"],
 }
-DECENTRALIZED = ["D-PSGD", "Moniqua default", "Moniqua paper 1-bit", "CHOCO qsgd 4-bit", "DCD qsgd 4-bit", "D2"]
+DECENTRALIZED = ["D-PSGD", "Moniqua default", "Moniqua adaptive theta", "Moniqua paper 1-bit", "CHOCO qsgd 4-bit",
+                 "DCD qsgd 4-bit", "D2"]
 PARTS = {  # part -> [(ranks, topology, extra arguments, methods)]
     "decentralized": [(8, "ring", [], DECENTRALIZED), (8, "exponential", [], ["D-PSGD", "Moniqua default"])],
     "large": [(16, topology, [], ["D-PSGD", "Moniqua default"]) for topology in ("ring", "exponential")],
     "noniid": [(8, "ring", ["--dirichlet-alpha", "0.1"], ["D-PSGD", "Moniqua default"])],
     "scaling": [(n, "ring", ["--lr", f"{0.1 * n / 4:g}", "--lr-warmup-steps", "100"], ["CPD-SGDM qsgd 4-bit p=4"])
                 for n in (4, 8, 16, 32)],
-    "centralized": [(8, "ring", [], ["AllReduce-SGD", "HSQ d=16"])],
+    "centralized": [(8, "ring", [], ["AllReduce-SGD", "HSQ d=16", "AllReduce-Adam", "APMSqueeze"])],
 }
 
 

@@ -28,7 +28,8 @@ from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_t
 
 BASE = ["--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--topology", "ring", "--log-every", "10"]
 DEFAULT = ["--algorithm", "moniqua"]  # bits 4 on a rotating quarter of each tensor, theta per tensor, dither
-PAPER = ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model", "--rounding", "nearest",
+PAPER = ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model", "--theta", "adaptive",
+         "--rounding", "nearest",
          "--gamma", "0.5"]
 CASES = [  # label, extra arguments, most seeds to run (None: all of --seeds)
     ("D-PSGD", ["--algorithm", "dpsgd"], None),

@@ -37,7 +37,7 @@ CASES = [  # label, arguments
     ("Moniqua observed theta ~1 bit", ["--algorithm", "moniqua", "--theta", "observed"]),
     ("Moniqua 4-bit 1/2 ~2 bit", ["--algorithm", "moniqua", "--parts", "2"]),
     ("Moniqua paper 1-bit", ["--algorithm", "moniqua", "--bits", "1", "--parts", "1", "--theta-per", "model",
-                             "--rounding", "nearest", "--gamma", "0.5"]),
+                             "--theta", "adaptive", "--rounding", "nearest", "--gamma", "0.5"]),
     ("CHOCO qsgd 4-bit", ["--algorithm", "choco", *QSGD4, "--gamma", "0.6"]),
     ("DCD qsgd 4-bit", ["--algorithm", "dcd", *QSGD4]),
     ("PD-SGDM p=4", ["--algorithm", "pdsgdm", "--period", "4"]),

@@ -18,7 +18,7 @@ defaults to "nearest" here: why, and the rest of the adaptation to asynchrony:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -37,6 +37,7 @@ ASYNC_GUARDS = ("skip", "raise")
 class MoniquaADPSGDConfig(MoniquaConfig):
     """Moniqua-AD-PSGD options: those of Moniqua (bits, parts, gamma, theta, theta_per, theta_c, ...).
 
+    theta: "adaptive" (default here) or a number; "observed" is refused (see below).
     rounding: "nearest" (default here), "dither" (shared subtractive: its zero-mean noise enters the ranks'
     mean, which a one-sided pull does not preserve) or "stochastic" (bits >= 2). guard: "skip" (a wrapped
     tensor is left unmixed in that pull) or "raise"; "resync" is refused: it needs a full-precision exchange
@@ -44,6 +45,7 @@ class MoniquaADPSGDConfig(MoniquaConfig):
     """
 
     rounding: str = "nearest"
+    theta: Union[float, str] = "adaptive"
 
     def __post_init__(self):
         super().__post_init__()

@@ -10,8 +10,9 @@ x̂ recovered by :class:`~mpicomm.codecs.moniqua.MoniquaCodec` on the grid of th
 
 With a user optimizer the last line is its update at the iterate before mixing, ``d_i = opt.step(x_i,
 g_i) - x_i``, and theta's statistic is ``||d_i||_inf`` per tensor. Defaults: 4 bits on a rotating quarter
-of each tensor (about 1 bit per parameter per step), gamma = 1, theta per tensor, dither, guard "skip".
-The paper's form is ``bits=1, parts=1, theta_per="model", rounding="nearest", gamma=0.5``;
+of each tensor (about 1 bit per parameter per step), gamma = 1, theta per tensor from the observed
+distances, dither, guard "skip". The paper's form is ``bits=1, parts=1, theta_per="model", theta="adaptive",
+rounding="nearest", gamma=0.5``;
 ``bits=32, parts=1, gamma=1`` is ``dpsgd`` bit for bit. Convergence with rotating parts, the guard, the
 work, memory and traffic per step: ``docs/algorithms/moniqua.md``.
 """
