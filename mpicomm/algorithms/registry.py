@@ -20,7 +20,10 @@ from .decentralized.choco import CHOCO
 from .decentralized.d2 import D2
 from .decentralized.dcd import DCD
 from .decentralized.dpsgd import DPSGD
+from .local.decentralized_diloco import DecentralizedDiLoCo
+from .local.diloco import DiLoCo
 from .local.pdsgdm import CPDSGDM, PDSGDM
+from .local.sparseloco import SparseLoCo
 from .lowrank.powergossip import PowerGossip
 from .lowrank.powersgd import PowerSGD
 from .moniqua import Moniqua, MoniquaADPSGD, MoniquaD2
@@ -45,6 +48,7 @@ for _cls in (
     DPSGD, D2, ADPSGD, CHOCO, DCD,                              # decentralized
     Moniqua, MoniquaD2, MoniquaADPSGD,                          # Moniqua on D-PSGD, D², AD-PSGD
     PDSGDM, CPDSGDM,                                            # local updates
+    DiLoCo, SparseLoCo, DecentralizedDiLoCo,                    # local updates with an outer step
     AllReduceSGD, CompressedSGD, QSGD, TernGrad, SignSGD, EFSignSGD, AllReduceAdam, LAMB, HSQ,  # centralized
     APMSqueeze, ZeroOneAdam, OneBitLAMB,                        # 1-bit Adam family
     PowerSGD, PowerGossip,                                      # low rank

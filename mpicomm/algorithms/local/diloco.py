@@ -1,0 +1,174 @@
+"""DiLoCo: H local steps of any inner optimizer, then an outer Nesterov step on the averaged pseudo-gradient.
+
+Douillard et al. "DiLoCo: Distributed Low-Communication Training of Language Models." 2023 (arXiv:2311.08455).
+
+Step t on rank i (H = ``period``; x_g the global copy, the same on every rank; eta = ``outer_lr``,
+mu = ``outer_momentum``)::
+
+    x_i <- InnerOpt(x_i, g_i)                       (torch.optim.SGD from lr/momentum/weight_decay, or yours)
+    if (t + 1) mod H == 0:
+        Delta_i = x_g - x_i                          (the pseudo-gradient)
+        Delta   = (1/n) allreduce_sum(Delta_i)
+        m <- mu m + Delta;  x_g <- x_g - eta (Delta + mu m)     (torch.optim.SGD, nesterov=True)
+        x_i <- x_g
+
+With ``codec`` set, Delta_i is compressed with error feedback: p_i = Delta_i + e_i, e_i <- p_i - C(p_i),
+Delta = (1/n) sum_r C(p_r) (payloads allgathered, summed in MPICH's allreduce order, so ``identity`` gives
+the uncompressed run bit for bit). Traffic: nothing between syncs; a sync is one allreduce of 4d bytes, or
+one allgather of ``codec.payload_bytes(d)``. H = 1, eta = 1, mu = 0 and inner SGD is ``allreduce_sgd``
+up to rounding. Options and reasoning: ``docs/algorithms/diloco.md``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
+from ..centralized.allgather_sum import PayloadSum
+from ..shared.codec_options import check_codec, make_rank_codec
+from ..shared.periodic import check_period
+
+__all__ = ["DiLoCo", "DiLoCoConfig", "OuterConfig", "OuterLoop", "OuterMomentumConfig"]
+
+
+@dataclass(frozen=True)
+class OuterConfig(AlgorithmConfig):
+    """Options of the local-update methods with an outer step; lr, momentum and weight_decay set the inner SGD.
+
+    period: inner steps between two outer steps, H >= 1. outer_lr: step size of the outer SGD on the
+    pseudo-gradient, > 0.
+    """
+
+    period: int = 10
+    outer_lr: float = 0.7
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_period(self.period)
+        check_range("outer_lr", self.outer_lr, lo=0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class OuterMomentumConfig(OuterConfig):
+    """outer_momentum: momentum of the outer SGD, in [0, 1). outer_nesterov: Nesterov's form of it (the
+    paper's); False: heavy ball.
+    """
+
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("outer_momentum", self.outer_momentum, lo=0.0, hi=1.0, hi_open=True)
+        check_bool("outer_nesterov", self.outer_nesterov)
+
+
+class OuterLoop(Algorithm):
+    """H inner steps of the local optimizer, then :meth:`_average` of the pseudo-gradient and an outer SGD step.
+
+    ``global_params`` (x_g) is the outer optimizer's parameter and ``outer_grad`` its gradient; both, the
+    outer optimizer's state and the inner optimizer's are in ``state_dict()``.
+    """
+
+    takes_optimizer = True
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.period = self.config.period
+        self.optimizer = self._local_sgd()
+        self.global_params = self.flat.data.detach().clone()
+        self.outer_grad = torch.zeros_like(self.global_params)
+        param = torch.nn.Parameter(self.global_params, requires_grad=False)
+        param.grad = self.outer_grad
+        mu = float(getattr(self.config, "outer_momentum", 0.0))
+        self.outer_optimizer = torch.optim.SGD([param], lr=self.config.outer_lr, momentum=mu,
+                                               nesterov=bool(mu and getattr(self.config, "outer_nesterov", False)))
+
+    def _step(self, grad: torch.Tensor) -> None:
+        self._decayed(grad)
+        self._local_step()
+        if (self.step_count + 1) % self.period == 0:
+            self._outer_step((self.step_count + 1) // self.period - 1)
+
+    def _outer_step(self, round_index: int) -> None:
+        """``outer_grad <- average of x_g - x_i``; x_g <- outer SGD step; x_i <- x_g."""
+        torch.sub(self.global_params, self.flat.data, out=self.outer_grad)
+        self._average(self.outer_grad, round_index)
+        self.outer_optimizer.step()
+        self.flat.data.copy_(self.global_params)
+
+    @abc.abstractmethod
+    def _average(self, delta: torch.Tensor, round_index: int) -> None:
+        """Communication round ``round_index``: replace this rank's pseudo-gradient ``delta`` by the average used."""
+
+    def _extra_state(self):
+        return {"optimizer": clone_optimizer_state(self.optimizer),
+                "outer_optimizer": clone_optimizer_state(self.outer_optimizer),
+                "global_params": self.global_params.clone()}
+
+    def _load_extra_state(self, extra):
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.outer_optimizer.load_state_dict(extra["outer_optimizer"])
+        self.global_params.copy_(extra["global_params"])
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig(OuterMomentumConfig):
+    """DiLoCo options (outer SGD with Nesterov momentum 0.9 at outer_lr 0.7 by default).
+
+    codec: compress the pseudo-gradient with this codec of mpicomm.codecs.CODECS and error feedback (none:
+    an uncompressed allreduce; "uniform" with codec_options bits=4 is 4-bit). codec_options: its keyword
+    arguments (no seed).
+    """
+
+    codec: str | None = None
+    codec_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.codec is None:
+            if self.codec_options:
+                raise ValueError(f"codec_options {self.codec_options!r} need a codec (codec is None: uncompressed)")
+            return
+        object.__setattr__(self, "codec_options", check_codec(self.codec, self.codec_options, self.seed))
+
+
+class DiLoCo(OuterLoop):
+    """DiLoCo: H inner steps, then outer Nesterov SGD on the allreduced pseudo-gradient (optionally compressed)."""
+
+    name = "diloco"
+    config_class = DiLoCoConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.codec = None
+        if self.config.codec is not None:
+            self.codec = make_rank_codec(self.config, self.comm.rank)
+            self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
+            self.error = torch.zeros_like(self.flat.data)
+
+    def _average(self, delta, round_index):
+        if self.codec is None:
+            self.comm.allreduce(delta)
+        else:
+            delta.add_(self.error)  # p = Delta + e
+            payload = self.codec.encode(delta)
+            self.codec.decode(payload, self.flat.numel, out=self.error)
+            torch.sub(delta, self.error, out=self.error)  # e <- p - C(p)
+            self.payload_sum(payload, out=delta)
+        delta.div_(self.comm.size)
+
+    def _extra_state(self):
+        state = super()._extra_state()
+        if self.codec is not None:
+            state.update(codec=self.codec.state_dict(), error=self.error.clone())
+        return state
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        if self.codec is not None:
+            self.codec.load_state_dict(extra["codec"])
+            self.error.copy_(extra["error"])

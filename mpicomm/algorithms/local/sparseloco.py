@@ -1,0 +1,83 @@
+"""SparseLoCo: DiLoCo's outer momentum replaced by error feedback, and the pseudo-gradient sent as 2-bit top-k.
+
+Sarfi, Thérien, Lidin, Belilovsky. "Communication Efficient LLM Pre-training with SparseLoCo." 2025
+(arXiv:2508.15706).
+
+Step t on rank i (H = ``period``, beta = ``ef_decay``, alpha = ``outer_lr``, C the chunked top-k of
+:class:`~mpicomm.codecs.chunked_topk.ChunkedTopKCodec`: ``density`` of every ``chunk`` elements kept, their
+values at ``bits`` bits)::
+
+    x_i <- InnerOpt(x_i, g_i)                       (as in DiLoCo: torch.optim.SGD or yours)
+    if (t + 1) mod H == 0:
+        e_i <- beta e_i + (x_g - x_i)                (the error-feedback accumulator)
+        D_i = C(e_i);   e_i <- e_i - D_i
+        x_g <- x_g - alpha (1/n) sum_r D_r          (payloads allgathered; plain SGD, no outer momentum)
+        x_i <- x_g
+
+Traffic: nothing between syncs; a sync is one allgather of ``codec.payload_bytes(d)`` bytes per rank.
+Options and reasoning: ``docs/algorithms/diloco.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...codecs.chunked_topk import ChunkedTopKCodec
+from ..base import check_int, check_range
+from ..centralized.allgather_sum import PayloadSum
+from .diloco import OuterConfig, OuterLoop
+
+__all__ = ["SparseLoCo", "SparseLoCoConfig"]
+
+
+@dataclass(frozen=True)
+class SparseLoCoConfig(OuterConfig):
+    """SparseLoCo options (outer_lr defaults to 1).
+
+    density: fraction of each chunk sent, in (0, 1]. chunk: elements per top-k chunk, >= 1. bits: bits per
+    sent value, in [1, 8] (a uniform grid over the chunk's kept values). ef_decay: beta, the decay of the
+    error-feedback accumulator, in [0, 1].
+    """
+
+    outer_lr: float = 1.0
+    density: float = 0.02
+    chunk: int = 4096
+    bits: int = 2
+    ef_decay: float = 0.95
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("density", self.density, lo=0.0, hi=1.0, lo_open=True)
+        check_int("chunk", self.chunk, 1)
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be an int in [1, 8], got {self.bits!r}")
+        check_range("ef_decay", self.ef_decay, lo=0.0, hi=1.0)
+
+
+class SparseLoCo(OuterLoop):
+    """SparseLoCo: H inner steps, then the error-fed 2-bit chunked top-k pseudo-gradient, averaged; plain outer SGD."""
+
+    name = "sparseloco"
+    config_class = SparseLoCoConfig
+
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.codec = ChunkedTopKCodec(self.config.density, self.config.chunk, self.config.bits)
+        self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
+        self.error = torch.zeros_like(self.flat.data)
+
+    def _average(self, delta, round_index):
+        self.error.mul_(self.config.ef_decay).add_(delta)  # e <- beta e + Delta
+        payload = self.codec.encode(self.error)
+        self.error.sub_(self.codec.decode(payload, self.flat.numel, out=delta))  # e <- e - C(e)
+        self.payload_sum(payload, out=delta)
+        delta.div_(self.comm.size)
+
+    def _extra_state(self):
+        return {**super()._extra_state(), "error": self.error.clone()}
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        self.error.copy_(extra["error"])
