@@ -247,7 +247,9 @@ RESUME = {"dpsgd": ({}, "both"), "moniqua": ({"bits": 2}, "adamw"), "moniqua_d2"
           "pdsgdm": ({"period": 2}, "sgd"), "powergossip": ({"min_compression_rate": 1.0}, "adamw"),
           "allreduce_sgd": ({}, "both"), "allreduce_adam": ({}, "adamw"), "compressed_sgd": ({}, "sgd"),
           "qsgd": ({}, "adamw"), "terngrad": ({}, "sgd"), "signsgd": ({}, "adamw"),
-          "powersgd": ({"warmup_steps": 2, "min_compression_rate": 1.0}, "sgd")}
+          "powersgd": ({"warmup_steps": 2, "min_compression_rate": 1.0}, "sgd"),
+          "diloco": ({"period": 2}, "adamw"), "sparseloco": ({"period": 2, "chunk": 32, "density": 0.25}, "sgd"),
+          "decentralized_diloco": ({"period": 2}, "adamw")}
 BUILDS = {"adamw": _adamw, "sgd": _sgd}
 
 
