@@ -7,7 +7,7 @@ import torch
 
 from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
-from mpicomm.algorithms.centralized.allgather_sum import tree_sum
+from mpicomm.algorithms.shared.allgather_sum import tree_sum
 from mpicomm.codecs import QSGDCodec, TernGradCodec
 from mpicomm.comm import Communicator
 

@@ -26,8 +26,8 @@ import torch
 
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from ..base import Algorithm, check_range, clone_optimizer_state
+from ..shared.allgather_sum import PayloadSum
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
-from .allgather_sum import PayloadSum
 from .overlapped_sum import OverlappedPayloadSum
 
 __all__ = [

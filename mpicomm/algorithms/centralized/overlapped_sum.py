@@ -1,6 +1,6 @@
 """The compressed-gradient allgather of ``compressed_sgd`` and its family, bucket by bucket during backward.
 
-Same maths as :class:`~mpicomm.algorithms.allgather_sum.PayloadSum` on the whole gradient, cut into the
+Same maths as :class:`~mpicomm.algorithms.shared.allgather_sum.PayloadSum` on the whole gradient, cut into the
 buckets of :class:`~mpicomm.algorithms.buckets.GradBuckets` (boundaries on multiples of the codec's
 ``split_alignment``, so a QSGD scale block never straddles two buckets). For each bucket [lo, hi), as
 soon as backward has produced all of it, on rank i::
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from ..shared.allgather_sum import tree_sum
 from ..shared.buckets import GradBuckets
-from .allgather_sum import tree_sum
 
 __all__ = ["OverlappedPayloadSum"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
-from ..centralized.allgather_sum import PayloadSum
+from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.periodic import check_period
 

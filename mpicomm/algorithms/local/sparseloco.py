@@ -26,7 +26,7 @@ import torch
 
 from ...codecs.chunked_topk import ChunkedTopKCodec
 from ..base import check_int, check_range
-from ..centralized.allgather_sum import PayloadSum
+from ..shared.allgather_sum import PayloadSum
 from .diloco import OuterConfig, OuterLoop
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]

@@ -1,2 +1,2 @@
-"""What several families share: gossip averaging, gradient buckets, the periodic step, codec options and the
-public copies of compressed gossip."""
+"""What several families share: gossip averaging, gradient buckets, the periodic step, codec options, the
+public copies of compressed gossip and the exact sum of compressed payloads."""
