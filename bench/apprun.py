@@ -82,22 +82,36 @@ class AppRun:
         return 8 * self.traffic_per_step("bytes_contributed") / self.start["parameters"]
 
 
+def _command(app: str, ranks: int, args: list[str], run_dir: str, launcher: list[str] | None) -> list[str]:
+    launcher = launcher if launcher is not None else ["mpiexec", "-n", str(ranks)]
+    return [*launcher, sys.executable, os.path.join("apps", app), *args, "--out-dir", run_dir, "--no-progress"]
+
+
+def finished(label: str, app: str, ranks: int, args: list[str], run_dir: str, *,
+             launcher: list[str] | None = None) -> AppRun | None:
+    """The finished run of exactly this command in ``run_dir``, or None (never started, other command, cut short)."""
+    command = _command(app, ranks, args, run_dir, launcher)
+    metrics, stamp = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "command.json")
+    if not (os.path.exists(stamp) and os.path.exists(metrics)):
+        return None
+    with open(stamp) as f:
+        same = json.load(f) == command
+    records = _read(metrics)
+    return AppRun(label, command, records) if same and records and records[-1].get("event") == "end" else None
+
+
 def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, fresh: bool = False,
            timeout: float = 1800, launcher: list[str] | None = None) -> AppRun:
     """Run ``mpiexec -n ranks python apps/<app> args --out-dir run_dir`` (or reuse a finished identical run).
 
     ``launcher`` replaces ``mpiexec -n ranks`` (e.g. ``scripts/netshape.sh mpirun --ranks 4 --net ... --``).
     """
-    launcher = launcher if launcher is not None else ["mpiexec", "-n", str(ranks)]
-    command = [*launcher, sys.executable, os.path.join("apps", app), *args, "--out-dir", run_dir, "--no-progress"]
+    command = _command(app, ranks, args, run_dir, launcher)
+    done = None if fresh else finished(label, app, ranks, args, run_dir, launcher=launcher)
+    if done is not None:
+        print(f"  reuse  {label:<28} {run_dir}", flush=True)
+        return done
     metrics, stamp = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "command.json")
-    if not fresh and os.path.exists(stamp) and os.path.exists(metrics):
-        with open(stamp) as f:
-            same = json.load(f) == command
-        records = _read(metrics)
-        if same and records and records[-1].get("event") == "end":
-            print(f"  reuse  {label:<28} {run_dir}", flush=True)
-            return AppRun(label, command, records)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     t0 = time.perf_counter()

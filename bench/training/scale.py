@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import SETTINGS, AppRun, bench_parser, launch  # noqa: E402
+from bench.apprun import SETTINGS, AppRun, bench_parser, finished, launch  # noqa: E402
 from bench.common import RUNS, enter_loopback_namespace, write_table  # noqa: E402
 
 TARGET = 0.97
@@ -71,11 +71,14 @@ PARTS = {  # part -> [(ranks, topology, extra arguments, methods)]
 
 
 def _run(part: str, ranks: int, topology: str, extra: list[str], method: str, seed: int, steps: int,
-         fresh: bool) -> AppRun:
+         fresh: bool, report: bool) -> AppRun | None:
+    """One case's run: launched (or reused), or with ``report`` only the finished one (None if there is none)."""
     args = [*BASE, "--max-steps", str(steps), "--epochs", "1000", "--topology", topology, *METHODS[method],
             *extra, "--seed", str(seed)]
     label = f"{method} {ranks}x {topology} seed {seed}"
     run_dir = os.path.join(RUNS, "scale", part, f"{ranks}-{topology}", method.replace(" ", "_"), f"seed{seed}")
+    if report:
+        return finished(label, "train_resnet.py", ranks, args, run_dir)
     return launch(label, "train_resnet.py", ranks, args, run_dir, fresh=fresh, timeout=7200)
 
 
@@ -161,22 +164,29 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join([*PARTS, "network"]))
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--report", action="store_true",
+                        help="launch nothing: write the tables from the cases whose every seed has finished")
     args = parser.parse_args()
     enter_loopback_namespace()
     seeds = [int(s) for s in args.seeds.split(",")]
     chosen = args.parts.split(",")
-    table = {}
+    table, missing = {}, []
     for part in [p for p in chosen if p in PARTS]:
         for ranks, topology, extra, methods in PARTS[part]:
             for method in methods:
-                runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh) for seed in seeds]
-                table[(part, ranks, topology, method)] = _summary(runs)
-    network = _network(table, args.fresh) if "network" in chosen else []
+                runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh, args.report)
+                        for seed in seeds]
+                if all(runs):
+                    table[(part, ranks, topology, method)] = _summary(runs)
+                else:
+                    missing.append(f"{part}: {method}, {ranks} ranks, {topology}")
+    network = _network(table, args.fresh) if "network" in chosen and not args.report else []
     title = (f"Full MNIST, ResNet-8, batch 8 per rank, {args.steps} steps, seeds {args.seeds}; accuracy of the "
              "averaged model on 2,000 test images")
     payload = {"target": TARGET, "rows": [{"part": k[0], "ranks": k[1], "topology": k[2], "method": k[3], **v}
-                                          for k, v in table.items()], "network": network}
-    write_table("scale", title, _markdown(table, network), payload)
+                                          for k, v in table.items()], "network": network, "not_run": missing}
+    not_run = "\n\nNot run yet (every seed needed): " + "; ".join(missing) + "." if missing else ""
+    write_table("scale", title, _markdown(table, network) + not_run, payload)
 
 
 if __name__ == "__main__":
