@@ -171,7 +171,8 @@ def test_default_converges_to_the_dpsgd_loss(comm):
         for schedule in topologies_for(n)[:2]:
             gaps = {}
             for name, extra in (("dpsgd", {}), ("moniqua", {}),
-                                ("moniqua", dict(bits=1, parts=1, theta_per="model", rounding="nearest"))):
+                                ("moniqua", dict(bits=1, parts=1, theta_per="model", theta="adaptive",
+                                                 rounding="nearest"))):
                 algo = make_algorithm(name, lsq.make_model(), Communicator(comm, schedule), lr=0.1, **extra)
                 lsq.train(algo, 150, lr=lambda t: 0.1 / (1 + t / 30))
                 gaps[f"{name} {extra}"] = (lsq.objective(algo.consensus_model(), n) - fstar) / (f0 - fstar)
