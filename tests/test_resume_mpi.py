@@ -35,6 +35,7 @@ OPTIONS = {
     "diloco": {"period": 3, "codec": "uniform", "codec_options": {"bits": 4}},
     "sparseloco": {"period": 3, "chunk": 32, "density": 0.25},
     "decentralized_diloco": {"period": 3},
+    "streaming_diloco": {"period": 4, "fragments": 2, "delay": 1},  # fragment 0's exchange in flight at the stop
     "powersgd": {"warmup_steps": 2, "min_compression_rate": 1.0},
     "powergossip": {"min_compression_rate": 1.0},
     "zeroone_adam": {"var_freeze_step": 3, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4},

@@ -249,7 +249,8 @@ RESUME = {"dpsgd": ({}, "both"), "moniqua": ({"bits": 2}, "adamw"), "moniqua_d2"
           "qsgd": ({}, "adamw"), "terngrad": ({}, "sgd"), "signsgd": ({}, "adamw"),
           "powersgd": ({"warmup_steps": 2, "min_compression_rate": 1.0}, "sgd"),
           "diloco": ({"period": 2}, "adamw"), "sparseloco": ({"period": 2, "chunk": 32, "density": 0.25}, "sgd"),
-          "decentralized_diloco": ({"period": 2}, "adamw")}
+          "decentralized_diloco": ({"period": 2}, "adamw"),
+          "streaming_diloco": ({"period": 6, "fragments": 2}, "sgd")}  # saved with fragment 1 in flight
 BUILDS = {"adamw": _adamw, "sgd": _sgd}
 
 

@@ -24,6 +24,7 @@ from .local.decentralized_diloco import DecentralizedDiLoCo
 from .local.diloco import DiLoCo
 from .local.pdsgdm import CPDSGDM, PDSGDM
 from .local.sparseloco import SparseLoCo
+from .local.streaming_diloco import StreamingDiLoCo
 from .lowrank.powergossip import PowerGossip
 from .lowrank.powersgd import PowerSGD
 from .moniqua import Moniqua, MoniquaADPSGD, MoniquaD2
@@ -49,6 +50,7 @@ for _cls in (
     Moniqua, MoniquaD2, MoniquaADPSGD,                          # Moniqua on D-PSGD, D², AD-PSGD
     PDSGDM, CPDSGDM,                                            # local updates
     DiLoCo, SparseLoCo, DecentralizedDiLoCo,                    # local updates with an outer step
+    StreamingDiLoCo,                                            # the outer step per fragment, overlapped
     AllReduceSGD, CompressedSGD, QSGD, TernGrad, SignSGD, EFSignSGD, AllReduceAdam, LAMB, HSQ,  # centralized
     APMSqueeze, ZeroOneAdam, OneBitLAMB,                        # 1-bit Adam family
     PowerSGD, PowerGossip,                                      # low rank
