@@ -1,2 +1,2 @@
 """Local-update methods: several local steps between communications (PD-SGDM, CPD-SGDM, DiLoCo, SparseLoCo,
-decentralized DiLoCo)."""
+decentralized DiLoCo, streaming DiLoCo)."""
