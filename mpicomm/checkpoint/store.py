@@ -252,6 +252,7 @@ def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
     sys.unraisablehook = lambda report: caught.append(report.exc_value)
     try:
         with contextlib.redirect_stderr(printed):
+            gc.freeze()  # so that the collection below walks only what this write created, not the whole heap
             try:
                 with h5py.File(path, "w", libver=LIBVER) as f:
                     write_tree(f.create_group(_rank_group(identity["rank"])), state)
@@ -260,6 +261,7 @@ def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
                     f.flush()
             finally:
                 gc.collect()  # free h5py's objects now, while their errors are still collected
+                gc.unfreeze()
     except Exception as exc:
         cause = _write_error(path, [exc, *caught])
         if cause is exc:
