@@ -34,11 +34,14 @@ from mpicomm.training.precision import Precision  # noqa: E402
 # marks those whose random streams differ between devices (CPU and CUDA generators draw differently).
 ALGORITHMS = {
     "dpsgd": ({"momentum": 0.9}, False),
+    "dpsgd_overlap": ({"momentum": 0.9, "overlap": True}, False),
     "moniqua": ({"bits": 8}, False),
+    "moniqua_overlap": ({"bits": 8, "overlap": True}, False),
     "moniqua_1bit": ({"bits": 1}, False),
     "d2": ({}, False),
     "moniqua_d2": ({"bits": 8}, False),
     "choco": ({"codec": "qsgd", "codec_options": {"bits": 4}}, True),
+    "choco_overlap": ({"codec": "qsgd", "codec_options": {"bits": 4}, "order": "cta", "overlap": True}, True),
     "dcd": ({"codec": "sign"}, False),
     "pdsgdm": ({"period": 2, "momentum": 0.9}, False),
     "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
@@ -130,6 +133,8 @@ def train(mpi_comm, key: str, device: torch.device, steps: int, *, batch: int = 
         for x in task.train_batches(epoch):
             sync(device)
             t0 = time.perf_counter()
+            if precision != "fp16":  # fp16 may skip the step after backward: its exchange is not begun early
+                algo.begin_step()  # the *_overlap methods post their exchange here, before the forward pass
             algo.zero_grad()
             with prec.autocast():
                 loss, _ = task.loss(algo.model, to_device(x, device))

@@ -18,6 +18,16 @@ then means)::
     algo.accumulate(4)                   # step() communicates and updates once every 4 micro-batches
     algo.clip_grad_norm_(1.0)            # clip every step's gradient (see clip_grad_norm_ for which one)
 
+The exchange of the current iterate overlapped with the forward and backward pass (decentralized methods
+built with ``overlap=True``; see :meth:`Algorithm.begin_step`)::
+
+    algo = make_algorithm("dpsgd", model, communicator, lr=0.1, overlap=True)
+    for x, y in loader:
+        algo.begin_step()                # start sending x(t); or once: algo.overlap_with(model)
+        algo.zero_grad()
+        loss_fn(model(x), y).backward()
+        algo.step()                      # wait for the neighbours' x(t), mix, update
+
 An algorithm owns a :class:`~mpicomm.flat.FlatParameters` (parameters as views of one buffer), talks to
 the network only through the :class:`~mpicomm.comm.Communicator` it is given, and keeps everything it
 needs to continue bit-exactly in ``state_dict()``.
@@ -38,7 +48,8 @@ from ..comm import Communicator, raise_together
 from ..errors import mark_agreed
 from ..flat import FlatParameters
 
-__all__ = ["Algorithm", "AlgorithmConfig", "check_bool", "check_int", "check_range", "clone_optimizer_state"]
+__all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
+           "clone_optimizer_state"]
 
 
 def check_range(name: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
@@ -95,6 +106,19 @@ class AlgorithmConfig:
         check_range("weight_decay", self.weight_decay, lo=0.0)
 
 
+@dataclass(frozen=True)
+class GossipOverlapConfig(AlgorithmConfig):
+    """overlap: start the exchange of the current iterate in begin_step(), before the forward pass, and finish
+    it in step(), so the transfer runs while the gradient is computed (bit for bit the blocking step; a loop
+    that does not call begin_step() gets the blocking exchange)."""
+
+    overlap: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_bool("overlap", self.overlap)
+
+
 class Algorithm(abc.ABC):
     """Base class: flat parameters, a communicator, a validated config, a step counter, traffic stats.
 
@@ -130,6 +154,9 @@ class Algorithm(abc.ABC):
         self.last_grad_norm: torch.Tensor | None = None
         self._micro = 0
         self._stepping = False
+        self._begun = False  # begin_step() ran for the coming update
+        self._pending: Any = None  # what _begin_exchange() started (None: nothing in flight)
+        self._begun_start: dict[str, int] | None = None  # ledger totals before it was posted
         self._step_start = comm.ledger.totals()
         self._last_step: dict[str, int] = {k: 0 for k in self._step_start}
         self._check_same_everywhere()
@@ -307,6 +334,64 @@ class Algorithm(abc.ABC):
         if not self.centralized:
             self._clip(grad)
 
+    # ------------------------------------------------------------------ overlapping the exchange with compute
+    def begin_step(self) -> None:
+        """Start this step's exchange of the current iterate now, before the forward pass (where supported).
+
+        A decentralized method built with ``overlap=True`` whose message depends only on x(t) (and state
+        agreed at earlier steps) encodes and posts it here, non-blocking; :meth:`step` then waits for it and
+        finishes the update, so the transfer runs while the gradient is computed. The result is bit for bit
+        that of the blocking step. Without ``overlap`` (or for a method that cannot overlap) nothing happens,
+        and :meth:`step` without a ``begin_step()`` before it exchanges blocking, exactly as always.
+
+        Call it once per update, before the first micro-batch's forward pass; further calls until the
+        update are no-ops (so a forward pre-hook, :meth:`overlap_with`, may call it on every forward).
+        Until :meth:`step` has taken the update the parameters must not change (the message is read from
+        them in flight), and ``state_dict``/``load_state_dict``/``averaged_model`` refuse to run: save
+        between steps. Collective over the neighbours, like :meth:`step`.
+        """
+        if self._begun:
+            return
+        self._begun = True
+        start = self.comm.ledger.totals()
+        self._pending = self._begin_exchange()
+        self._begun_start = start if self._pending is not None else None
+
+    def _begin_exchange(self) -> Any:
+        """Hook: post this step's exchange non-blocking and return what :meth:`_take_pending` gives ``_step``
+        (None: nothing was started, the step exchanges blocking). Nothing here."""
+        return None
+
+    def _take_pending(self) -> Any:
+        """For ``_step``: what :meth:`begin_step` started for this update (None: exchange blocking now)."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    @property
+    def exchange_in_flight(self) -> bool:
+        """Whether :meth:`begin_step` started an exchange that :meth:`step` has not completed yet."""
+        return self._pending is not None
+
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"{self.name}: {what} while this step's exchange is in flight (begin_step() was "
+                               "called and step() has not run yet); do it between steps")
+
+    def overlap_with(self, model: torch.nn.Module | None = None):
+        """Install a forward pre-hook on ``model`` (default: the algorithm's) that calls :meth:`begin_step`.
+
+        For loops of your own: the exchange then starts at the first forward pass of each update that runs
+        in training mode with gradients enabled (evaluation under ``torch.no_grad()`` or ``model.eval()``
+        starts nothing). Returns torch's handle; ``handle.remove()`` uninstalls it.
+        """
+        model = self.model if model is None else model
+
+        def hook(module, args):
+            if module.training and torch.is_grad_enabled():
+                self.begin_step()
+
+        return model.register_forward_pre_hook(hook)
+
     # ------------------------------------------------------------------ the training-loop surface
     def zero_grad(self) -> None:
         """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate."""
@@ -322,7 +407,7 @@ class Algorithm(abc.ABC):
         if self._micro < self.accumulation:
             return
         self._micro = 0
-        self._step_start = self.comm.ledger.totals()
+        self._step_start = self._begun_start if self._begun_start is not None else self.comm.ledger.totals()
         grad = self.flat.gather_grads()
         self._prepare(grad)
         self._stepping = True
@@ -330,6 +415,9 @@ class Algorithm(abc.ABC):
             self._step(grad)
         finally:
             self._stepping = False
+            self._begun, self._begun_start = False, None
+        if self._pending is not None:  # a subclass that started an exchange must consume it in _step
+            raise RuntimeError(f"{self.name}: the exchange begin_step() started was not completed by the step")
         self.step_count += 1
         now = self.comm.ledger.totals()
         self._last_step = {k: now[k] - self._step_start[k] for k in now}
@@ -427,6 +515,7 @@ class Algorithm(abc.ABC):
         """
         if buffers not in ("average", "own"):
             raise ValueError(f"averaged_model: buffers must be 'average' or 'own', got {buffers!r}")
+        self._refuse_in_flight("averaged_model() was entered")
         saved = self.flat.data.clone()
         floating = [b for b in self.model.buffers() if b.is_floating_point()] if buffers == "average" else []
         kept = [b.clone() for b in floating]
@@ -460,7 +549,11 @@ class Algorithm(abc.ABC):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-exactly: parameters, step, lr, and the subclass's state."""
+        """Everything needed to continue bit-exactly: parameters, step, lr, and the subclass's state.
+
+        Between steps only: with an exchange in flight (:meth:`begin_step`) it raises ``RuntimeError``.
+        """
+        self._refuse_in_flight("state_dict() was called")
         return {
             "algorithm": self.name,
             "config": dataclasses.asdict(self.config),
@@ -472,6 +565,7 @@ class Algorithm(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (on a freshly built algorithm of the same kind)."""
+        self._refuse_in_flight("load_state_dict() was called")
         if state.get("algorithm") != self.name:
             raise ValueError(f"state is for algorithm {state.get('algorithm')!r}, this is {self.name!r}")
         params = state["params"]

@@ -13,6 +13,14 @@ whose gradients the algorithm sums (:meth:`~mpicomm.algorithms.base.Algorithm.ac
 loss is the mean over the micro-batches, and checkpoints fall between steps only. ``clip_grad_norm``:
 :meth:`~mpicomm.algorithms.base.Algorithm.clip_grad_norm_`.
 
+Before the forward pass of each step (the first micro-batch's, with ``accumulate``) the loop calls
+:meth:`~mpicomm.algorithms.base.Algorithm.begin_step`: a method built with ``overlap=True`` posts its
+exchange of x(t) there and ``algo.step()`` completes it, so the transfer runs behind forward and backward
+(not under ``--precision fp16``, whose overflow check may skip the step after backward). ``algo.step()``
+has consumed it before the step ends, so no exchange is in flight when a checkpoint is written
+(``state_dict`` refuses otherwise). The step's ``comm`` is what the rank waited for, so a transfer
+hidden behind compute adds nothing to it.
+
 Every quantity that decides a collective is agreed, never derived per rank: the batches per epoch
 (:func:`agree_steps_per_epoch`, the smallest any rank's task offers; every rank takes exactly that many
 from each epoch), hence the total, the evaluation points and the end. After each step the ranks agree,
@@ -213,6 +221,9 @@ class _Run:
         self.meta = run_meta(algo.comm, algo)
         self.device = algo.flat.data.device
         self.precision = Precision(cfg.precision, self.device, algo.comm)
+        # fp16 may skip a step after backward (an overflow anywhere), leaving a begun exchange pending over a
+        # checkpoint: under fp16 the exchange is not begun early (the step exchanges blocking)
+        self.begins_steps = cfg.precision != "fp16"
         self.step, self.epoch, self.start = 0, 0, 0
         self.train_s, self.wall_offset = 0.0, 0.0
         self.last_saved, self.saved_step = "", -1
@@ -303,6 +314,7 @@ class _Run:
         if not self.cfg.out_dir:
             return
         algo = self.algo
+        assert not algo.exchange_in_flight, "checkpoints are written between steps, with no exchange in flight"
         counters = {"wall_s": self.wall(), "train_s": self.train_s, "ledger": algo.comm.ledger.state_dict(),
                     "clock": algo.comm.clock.totals()}
         state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(self.device),
@@ -366,6 +378,8 @@ class _Run:
                     blocked, slept, elapsed, step_loss = clock.blocked_s, clock.slept_s, 0.0, None
                     self.guard.step = self.step + 1
                 t0 = time.perf_counter()
+                if self.begins_steps and not algo.pending_micro_batches:
+                    algo.begin_step()  # an overlapping method posts its exchange of x(t) now, before forward
                 algo.zero_grad()
                 with self.precision.autocast():
                     loss, counts = task.loss(algo.model, to_device(batch, self.device))

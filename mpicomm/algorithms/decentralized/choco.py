@@ -13,6 +13,12 @@ Only x̂_i and s_i = sum_j W_ij x̂_j are stored (:mod:`~mpicomm.algorithms.shar
 distinct topology of the schedule. order="atc" is the paper's; "cta" gossips first (D-PSGD's order).
 Traffic: ``codec.payload_bytes(d)`` to each out-neighbour per step. With the identity codec and gamma = 1,
 order="cta" is ``dpsgd`` bit for bit. Details: ``docs/algorithms/decentralized.md``.
+
+``overlap=True`` (order="cta" only): x_i is gossiped before the local step there, and the gradient is
+taken at the same x_i, so ``begin_step()`` encodes q_i = C(x_i - x̂_i), adds it to x̂_i and s_i and posts
+the exchange before the forward pass; ``step()`` waits, adds the neighbours' W_ij q_j and finishes as the
+blocking step does (same codec draws, same sums in the same order: bit for bit). Under order="atc" the
+message is C(x_i - alpha g_i - x̂_i): it needs the gradient, and there is nothing to overlap.
 """
 
 from __future__ import annotations
@@ -21,42 +27,61 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import check_range
+from ..base import check_bool, check_range
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from ..shared.public_sum import SumGossip
 
-__all__ = ["CHOCO", "ChocoConfig", "choco_consensus"]
+__all__ = ["CHOCO", "ChocoConfig", "begin_choco_consensus", "choco_consensus"]
 
 
 @dataclass(frozen=True)
 class ChocoConfig(CodecConfig, OrderConfig):
     """CHOCO options (codec, codec_options and order as below).
 
-    gamma: consensus step size in (0, 1].
+    gamma: consensus step size in (0, 1]. overlap: with order="cta", encode and send C(x - x̂) in
+    begin_step(), before the forward pass, and finish the round in step() (bit for bit the blocking step);
+    with "atc" the message needs this step's gradient, so overlap=True is refused.
     """
 
     gamma: float = 0.5
+    overlap: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
+        check_bool("overlap", self.overlap)
+        if self.overlap and self.order != "cta":
+            raise ValueError("overlap=True needs order='cta': with order='atc' the message C(x - alpha g - x̂) "
+                             "depends on this step's gradient, so it cannot leave before the backward pass")
 
 
-def choco_consensus(x: torch.Tensor, gossip: SumGossip, step: int, gamma: float) -> None:
-    """One CHOCO gossip round over ``comm.topology(step)``, updating ``x`` in place (see the module docstring)."""
+def begin_choco_consensus(x: torch.Tensor, gossip: SumGossip, step: int):
+    """Encode ``q = C(x - x̂_i)`` (or, lossless, ``x``) and post round ``step``'s exchange non-blocking; returns
+    the ``pending`` that :func:`choco_consensus` completes. ``x`` must not change until then."""
+    return gossip.post_models(x, step) if gossip.lossless else gossip.post_advance(x, step)
+
+
+def choco_consensus(x: torch.Tensor, gossip: SumGossip, step: int, gamma: float, pending=None) -> None:
+    """One CHOCO gossip round over ``comm.topology(step)``, updating ``x`` in place (see the module docstring).
+
+    ``pending``: what :func:`begin_choco_consensus` returned for this ``x`` and round (None: exchange now).
+    """
     comm = gossip.comm
     topo = comm.topology(step)
     self_weight, weights = topo.self_weight(comm.rank), topo.neighbor_weights(comm.rank)
     if gossip.lossless:
-        rows = gossip.models(x, step)
+        rows = gossip.models(x, step, pending)
         if gamma == 1.0:
             gossip_average(x, rows, self_weight, weights)
             return
         mixed = gossip_average(gossip.scratch.copy_(x), rows, self_weight, weights).sub_(x)
     else:
-        gossip.advance(x, step)
+        if pending is None:
+            gossip.advance(x, step)
+        else:
+            gossip.finish_advance(pending, step)
         own, total = gossip.pair_at(step)
         mixed = torch.sub(total, own, out=gossip.scratch)
     x.add_(mixed, alpha=gamma)
@@ -73,8 +98,13 @@ class CHOCO(PeriodicGossip):
         codec = make_rank_codec(self.config, comm.rank)
         self.gossip = SumGossip(comm, codec, self.flat.data, "model" if self.config.broadcast_init else "zeros")
 
+    def _begin_exchange(self):
+        if not self.config.overlap:
+            return None
+        return begin_choco_consensus(self.flat.data, self.gossip, self.step_count)
+
     def _gossip(self, round_index: int) -> None:
-        choco_consensus(self.flat.data, self.gossip, round_index, self.config.gamma)
+        choco_consensus(self.flat.data, self.gossip, round_index, self.config.gamma, self._take_pending())
 
     def _extra_state(self):
         return {**super()._extra_state(), "gossip": self.gossip.state_dict()}

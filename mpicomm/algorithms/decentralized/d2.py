@@ -13,6 +13,10 @@ Keeping alpha_{k-1} makes learning-rate schedules exact. With a user optimizer i
 place of -alpha_k g_k. Extra memory: x_{k-1} and g_{k-1}. No momentum (a configuration error).
 Moniqua-D² (:mod:`mpicomm.algorithms.moniqua.d2`) replaces the last line. Details:
 ``docs/algorithms/decentralized.md``.
+
+No overlap of the exchange with the forward and backward pass (no ``overlap`` option): what D² sends is
+x_{k+1/2}, which holds -alpha_k g_k, so it can only leave after the backward pass of step k (the same
+holds for Moniqua-D²).
 """
 
 from __future__ import annotations

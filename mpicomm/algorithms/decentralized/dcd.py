@@ -13,6 +13,12 @@ The message of step t is sent over the topology of step t + 1. Only x̂_i and th
 (:mod:`~mpicomm.algorithms.shared.public_sum`), per distinct topology. Traffic: ``codec.payload_bytes(d)``
 to each out-neighbour per step. DCD(identity) is ``dpsgd`` bit for bit. Time-varying schedules and the
 replicas' start: ``docs/algorithms/decentralized.md``.
+
+No overlap of the exchange with the forward and backward pass (no ``overlap`` option): the message of
+step t is q_i = C(x_i^{t+1/2} - x_i^t), which holds -alpha g_i, so it cannot leave before the backward
+pass of step t; and step t + 1 mixes with the replicas it updates, so it must arrive before then.
+(Posting it at the end of step t and completing it in step t + 1 would overlap it with step t + 1's
+compute, but leaves a message in flight between steps, where checkpoints are written.)
 """
 
 from __future__ import annotations

@@ -17,23 +17,36 @@ lr and state apply; g_i is the plain gradient)::
 One ``neighbor_allgather`` of the full fp32 model per step. Memory beyond the model: the receive
 buffer (in-degree x d) and, with momentum, torch's momentum buffer. This is the reference every
 compressed decentralized algorithm reduces to with the identity codec.
+
+``overlap=True``: the neighbours' models and the local gradient are both taken at x(t), so
+:meth:`~mpicomm.algorithms.base.Algorithm.begin_step` posts the exchange of x(t) (``ineighbor_allgather``)
+before the forward pass and ``step()`` waits for it, mixes and steps: the same sums in the same order as
+the blocking step, so bit for bit the same parameters; the transfer is hidden behind forward and backward.
+Without a ``begin_step()`` the step exchanges blocking, as with ``overlap=False``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from ..base import Algorithm, GossipOverlapConfig, clone_optimizer_state
 from ..shared.gossip import gossip_average
 
-__all__ = ["DPSGD"]
+__all__ = ["DPSGD", "DPSGDConfig"]
+
+
+@dataclass(frozen=True)
+class DPSGDConfig(GossipOverlapConfig):
+    """D-PSGD options: those of every algorithm, and overlap."""
 
 
 class DPSGD(Algorithm):
     """Decentralized parallel SGD (full-precision neighbour averaging, then a local SGD step)."""
 
     name = "dpsgd"
-    config_class = AlgorithmConfig
+    config_class = DPSGDConfig
 
     takes_optimizer = True
 
@@ -41,12 +54,18 @@ class DPSGD(Algorithm):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
 
+    def _begin_exchange(self):
+        if not self.config.overlap:
+            return None
+        return self.comm.ineighbor_allgather(self.flat.data, step=self.step_count)
+
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
         update = self._user_update()
         x = self.flat.data
         topo = self.comm.topology(self.step_count)
-        received = self.comm.neighbor_allgather(x, step=self.step_count)
+        pending = self._take_pending()
+        received = self.comm.neighbor_allgather(x, step=self.step_count) if pending is None else pending.wait()
         gossip_average(x, received, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))
         self._apply_update(update)
 

@@ -8,10 +8,10 @@ from numbers import Real
 from typing import Union
 
 from ...codecs.moniqua import ROUNDINGS
-from ..base import AlgorithmConfig, check_range
+from ..base import AlgorithmConfig, check_bool, check_range
 from .theta import THETA_RULES
 
-__all__ = ["GUARDS", "IDENTITY_BITS", "MODULO_BITS", "MoniquaConfig", "default_gamma"]
+__all__ = ["GUARDS", "IDENTITY_BITS", "MODULO_BITS", "MoniquaConfig", "MoniquaDPSGDConfig", "default_gamma"]
 
 MODULO_BITS = (1, 2, 4, 8)
 GUARDS = ("skip", "resync", "raise")
@@ -80,3 +80,20 @@ class MoniquaConfig(AlgorithmConfig):
         check_range("theta_cap", self.theta_cap, lo=1.0)
         if self.guard not in GUARDS:
             raise ValueError(f"guard must be one of {GUARDS}, got {self.guard!r}")
+
+
+@dataclass(frozen=True)
+class MoniquaDPSGDConfig(MoniquaConfig):
+    """Moniqua (on D-PSGD) options: those above, and overlap.
+
+    overlap: encode and send the model in begin_step(), before the forward pass, and finish the mix in
+    step() (bit for bit the blocking step; the first step under an adaptive or observed theta exchanges
+    blocking). Moniqua-D² and Moniqua-AD-PSGD have no such option: D² sends x_{k+1/2}, which needs the
+    gradient, and AD-PSGD's pulls are asynchronous already.
+    """
+
+    overlap: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_bool("overlap", self.overlap)

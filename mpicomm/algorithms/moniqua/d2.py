@@ -12,6 +12,9 @@ The mixing preserves the average exactly, which D²'s recursion relies on. A par
 mixed with I instead of W, and D²'s extrapolation assumes the same mixing on consecutive steps, so the
 recursion restarts after a wrap (the next step is a first step again). Options and defaults are
 Moniqua's; theta's statistic is alpha ||g_k||_inf per tensor. ``bits=32, gamma=1`` is ``d2`` bit for bit.
+
+No overlap with the forward and backward pass (no ``overlap`` option, unlike ``moniqua``): the codes are
+of x_{k+1/2}, which holds -alpha_k g_k, so the message can only be encoded after the backward pass.
 """
 
 from __future__ import annotations

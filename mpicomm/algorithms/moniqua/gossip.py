@@ -48,24 +48,54 @@ class ModuloGossip:
             return torch.zeros(0)
         return local_step_sizes(grad, lr, optimizer, self.layout.sizes)
 
-    def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor) -> bool:
-        """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped."""
+    def begin(self, x: torch.Tensor, step: int):
+        """Encode ``x`` and post its exchange over ``comm.topology(step)`` non-blocking, if theta is known yet.
+
+        theta of step k depends only on what steps before k agreed (the running bounds, the observed
+        distances, the guard's scale), so the message is a function of x(k) alone and can leave before the
+        gradient is computed. Before the first agreement (adaptive or observed rule, first step) theta needs
+        this step's statistic: then nothing is posted (None) and :meth:`mix` exchanges blocking. Returns what
+        :meth:`mix` takes as ``pending``.
+        """
+        if self.identity:
+            return self.comm.ineighbor_allgather(x, step=step)
+        if not self.rule.ready():
+            return None
+        theta = self.rule.theta()
+        increment = self._encode(x, step, theta)
+        return self.comm.ineighbor_allgather(self.send, step=step), theta, increment
+
+    def _encode(self, x: torch.Tensor, step: int, theta: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` into ``self.send``; the increment, per code position, starts at -sum_j W_ij x̂_i."""
+        increment = torch.empty(self.layout.codes, dtype=torch.float32, device=x.device)
+        weights = self.comm.topology(step).neighbor_weights(self.comm.rank)
+        self.codec.encode(x, step, theta, self.send, mixing=increment, factor=-math.fsum(weights))
+        return increment
+
+    def mix(self, x: torch.Tensor, step: int, step_inf: torch.Tensor, pending=None) -> bool:
+        """One mixing round over ``comm.topology(step)`` on ``x`` (in place); True if some part wrapped.
+
+        ``pending``: what :meth:`begin` returned for this step and ``x`` (its exchange is completed here),
+        or None to encode and exchange now.
+        """
         topo, rank = self.comm.topology(step), self.comm.rank
         self.record.steps += 1
         if self.identity:
-            rows = self.comm.neighbor_allgather(x, step=step)
+            rows = self.comm.neighbor_allgather(x, step=step) if pending is None else pending.wait()
             _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
             return False
         statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.sizes))
-        if not self.rule.ready():
-            self.rule.observe(self._agree(statistic))
-        theta = self.rule.theta()
+        if pending is None:
+            if not self.rule.ready():
+                self.rule.observe(self._agree(statistic))
+            theta = self.rule.theta()
+            increment = self._encode(x, step, theta)  # gains W_ij x̂_j per row in recover
+            rows = self.comm.neighbor_allgather(self.send, step=step)
+        else:
+            handle, theta, increment = pending
+            rows = handle.wait()
         self.last_theta = theta
-        # the increment, per code position, starts at -sum_j W_ij x̂_i and gains W_ij x̂_j per row
-        increment = torch.empty(self.layout.codes, dtype=torch.float32, device=x.device)
         weights = topo.neighbor_weights(rank)
-        self.codec.encode(x, step, theta, self.send, mixing=increment, factor=-math.fsum(weights))
-        rows = self.comm.neighbor_allgather(self.send, step=step)
         local = self.codec.recover(rows, weights, increment, observed=self.rule.observed).cpu()
         count = self.layout.count
         agreed = self._agree(torch.cat([local[:count], statistic, local[count:]]))

@@ -13,7 +13,16 @@ g_i) - x_i``, and theta's statistic is ``||d_i||_inf`` per tensor. Defaults: 4 b
 of each tensor (about 1 bit per parameter per step), gamma = 1, theta per tensor from the observed
 distances, dither, guard "skip". The paper's form is ``bits=1, parts=1, theta_per="model", theta="adaptive",
 rounding="nearest", gamma=0.5``;
-``bits=32, parts=1, gamma=1`` is ``dpsgd`` bit for bit. Convergence with rotating parts, the guard, the
+``bits=32, parts=1, gamma=1`` is ``dpsgd`` bit for bit.
+
+``overlap=True`` encodes and posts the message of step k in ``begin_step()``, before the forward pass:
+theta_k is computed from what steps before k agreed (theta's running bound folds in step k's statistic,
+the local step's size, only after step k's message is encoded, for use from step k + 1), so the message
+depends on x(k) alone and the result is bit for bit the blocking step's. The one exception is the first
+step under theta="adaptive" or "observed": no statistic has been agreed yet, theta needs the gradient of
+that step, and that step exchanges blocking (also bit for bit the same). The guard's agreement (wrapped
+parts, theta's inputs) stays a blocking allreduce in ``step()``: it needs the received codes and the
+gradient. Convergence with rotating parts, the guard, the
 work, memory and traffic per step: ``docs/algorithms/moniqua.md``.
 """
 
@@ -24,7 +33,7 @@ from typing import Any
 import torch
 
 from ..base import Algorithm, clone_optimizer_state
-from .config import MoniquaConfig
+from .config import MoniquaDPSGDConfig
 from .gossip import ModuloGossip
 
 __all__ = ["Moniqua"]
@@ -34,7 +43,7 @@ class Moniqua(Algorithm):
     """Moniqua on D-PSGD: modulo-quantized neighbour averaging with step gamma, then a local SGD step."""
 
     name = "moniqua"
-    config_class = MoniquaConfig
+    config_class = MoniquaDPSGDConfig
     takes_optimizer = True
 
     def __init__(self, model, comm, config=None):
@@ -42,12 +51,15 @@ class Moniqua(Algorithm):
         self.optimizer = self._local_sgd()
         self.gossip = ModuloGossip(comm, self.config, self.flat)
 
+    def _begin_exchange(self):
+        return self.gossip.begin(self.flat.data, self.step_count) if self.config.overlap else None
+
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
         update = self._user_update()
         sizes = (self.gossip.step_sizes(grad, self.lr, self.optimizer) if update is None
                  else self.gossip.step_sizes(update, 1.0))
-        self.gossip.mix(self.flat.data, self.step_count, sizes)
+        self.gossip.mix(self.flat.data, self.step_count, sizes, self._take_pending())
         self._apply_update(update)
 
     def stats(self) -> dict[str, Any]:

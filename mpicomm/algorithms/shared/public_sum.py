@@ -68,9 +68,15 @@ class SumGossip:
         """Index in ``slots`` of the topology in force at ``step``."""
         return self.slots.index(self.comm.topology(step))
 
-    def models(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``."""
-        received = self.comm.neighbor_allgather(self.codec.encode(x), step=step)
+    def models(self, x: torch.Tensor, step: int, handle=None) -> torch.Tensor:
+        """Lossless codecs only: send ``encode(x)``; return the decoded in-neighbour models ``(in_degree, d)``.
+
+        ``handle``: what :meth:`post_models` returned for this ``x`` and step (then nothing is sent here).
+        """
+        if handle is None:
+            received = self.comm.neighbor_allgather(self.codec.encode(x), step=step)
+        else:
+            received = handle.wait()
         out = self._models.get(len(received))
         if out is None:
             out = self._models[len(received)] = torch.empty((len(received), self.numel), dtype=x.dtype,
@@ -79,19 +85,41 @@ class SumGossip:
             self.codec.decode(message, self.numel, out=row)
         return out
 
+    def post_models(self, x: torch.Tensor, step: int):
+        """:meth:`models`' exchange, posted non-blocking: the handle to pass it (``x`` must not change meanwhile)."""
+        return self.comm.ineighbor_allgather(self.codec.encode(x), step=step)
+
     def pair_at(self, step: int) -> torch.Tensor:
         """The ``(2, d)`` state for the topology in force at ``step``: row 0 x̂_i, row 1 s_i."""
         return self.pairs[self.slot(step)]
 
     def advance(self, target: torch.Tensor, step: int) -> None:
         """Send ``q_i = C(target - x̂_i)`` over the topology at ``step``; add q_i to x̂_i and every W_ij q_j to s_i."""
+        self.finish_advance(self._advance(target, step, blocking=True), step)
+
+    def post_advance(self, target: torch.Tensor, step: int):
+        """:meth:`advance` up to its exchange, which is posted non-blocking; :meth:`finish_advance` completes it.
+
+        x̂_i and s_i already hold the own q_i afterwards; s_i gains the neighbours' in :meth:`finish_advance`.
+        """
+        return self._advance(target, step, blocking=False)
+
+    def _advance(self, target: torch.Tensor, step: int, blocking: bool):
         own, total = self.pair_at(step)
-        topo, rank = self.comm.topology(step), self.comm.rank
         payload = self.codec.encode(torch.sub(target, own, out=self.scratch))
         mine = self.codec.decode(payload, self.numel, out=self.scratch)
         own.add_(mine)
-        total.add_(mine, alpha=topo.self_weight(rank))
-        received = self.comm.neighbor_allgather(payload, step=step)
+        total.add_(mine, alpha=self.comm.topology(step).self_weight(self.comm.rank))
+        if blocking:
+            return self.comm.neighbor_allgather(payload, step=step)
+        return self.comm.ineighbor_allgather(payload, step=step)
+
+    def finish_advance(self, received, step: int) -> None:
+        """Add every W_ij q_j to s_i; ``received``: the rows, or the handle :meth:`post_advance` returned."""
+        if not torch.is_tensor(received):
+            received = received.wait()
+        total = self.pair_at(step)[1]
+        topo, rank = self.comm.topology(step), self.comm.rank
         for weight, message in zip(topo.neighbor_weights(rank), received):
             total.add_(self.codec.decode(message, self.numel, out=self.scratch), alpha=weight)
 
