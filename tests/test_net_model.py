@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpicomm.net import CostModel, NetClock, NetSpec, parse_net
+from mpicomm.ledger import ANY, Ledger
+from mpicomm.net import CostModel, NetClock, NetLinks, NetSpec, parse_net
 
 
 @pytest.mark.parametrize("text, bits, latency", [
@@ -34,6 +35,62 @@ def test_parse_net_rejects(text, says):
     assert says in str(info.value)
 
 
+@pytest.mark.parametrize("text, intra, inter", [
+    ("intra=nvlink,inter=10gbit,5us", (2.4e12, 2e-6), (1e10, 5e-6)),
+    ("inter=gbit, intra=pcie", (2e11, 5e-6), (1e9, 1e-4)),
+    ("INTRA=100gbit,1us,inter=ib", (1e11, 1e-6), (2e11, 2e-6)),
+])
+def test_parse_net_two_link_classes(text, intra, inter):
+    spec = parse_net(text)
+    assert isinstance(spec, NetLinks)
+    for link, (bits, latency) in (("intra", intra), ("inter", inter)):
+        assert spec.link(link).bits_per_s == pytest.approx(bits) and spec.link(link).latency_s == pytest.approx(latency)
+    assert parse_net(str(spec)) == spec
+    model = CostModel(spec)
+    assert model.on("inter").beta == model.beta == inter[0] / 8 and model.on("intra").beta == intra[0] / 8
+    for link, (bits, latency) in (("intra", intra), ("inter", inter)):
+        assert model.on(link).allreduce(10**6, 4) == pytest.approx(6 * latency + 1.5e6 * 8 / bits)
+
+
+def test_one_setting_is_both_link_classes():
+    spec = parse_net("1gbit,100us")
+    model = CostModel(spec)
+    assert spec.link("intra") is spec.link("inter") is spec and model.on("intra") is model.on("inter") is model
+    with pytest.raises(ValueError, match="link class"):
+        model.on("node")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("intra=nvlink", "inter is missing"), ("inter=1gbit,1ms", "intra is missing"),
+    ("intra=fast,inter=fast,intra=slow", "given twice"), ("node=fast,inter=fast", "not intra or inter"),
+    ("1gbit,inter=fast", "intra=SETTING,inter=SETTING"), ("intra=,inter=fast", "needs a setting"),
+    ("intra=1gbit,inter=fast", "(for intra)"), ("intra=fast,inter=1gbit,1ms,2", "(for inter)"),
+])
+def test_parse_net_two_link_classes_rejects(text, says):
+    with pytest.raises(ValueError, match="--net") as info:
+        parse_net(text)
+    assert says in str(info.value)
+
+
+def test_ledger_books_each_link_class_and_keeps_it_through_a_checkpoint():
+    ledger = Ledger(0)
+    ledger.record("allreduce", 400, {ANY: 300}, {ANY: 300})
+    ledger.record("reduce_scatter", 400, {1: 200}, {1: 200}, link="intra")
+    ledger.record_uniform("allgatherv", 50, [1], [1], link="intra")
+    totals = ledger.totals()
+    assert (totals["bytes_sent_intra"], totals["bytes_sent_inter"], totals["bytes_sent"]) == (250, 300, 550)
+    assert ledger.bytes_received_on("intra") == 250 and ledger.bytes_received_on("inter") == 300
+    again = Ledger(0)
+    again.load_state_dict(ledger.state_dict())
+    assert again.totals() == totals
+    old = ledger.state_dict()
+    del old["links"]  # a checkpoint written before link classes: everything went between nodes
+    again.load_state_dict(old)
+    assert again.totals()["bytes_sent_inter"] == 550 and again.totals()["bytes_sent_intra"] == 0
+    with pytest.raises(ValueError, match="link"):
+        ledger.record("allreduce", 4, {}, {}, link="node")
+
+
 ALPHA, BETA = 1e-4, 125e6  # 1gbit,100us
 MODEL = CostModel(NetSpec(1e9, 1e-4))
 
@@ -48,6 +105,8 @@ def test_collective_formulas(n, m):
     assert MODEL.bcast(m, n) == pytest.approx(math.ceil(math.log2(n)) * (ALPHA + m / BETA))
     assert MODEL.barrier(n) == pytest.approx(math.ceil(math.log2(n)) * ALPHA)
     assert MODEL.neighbor(2 * m, m) == pytest.approx(ALPHA + 2 * m / BETA)  # the busier direction counts
+    assert MODEL.reduce_scatter(m, n) == pytest.approx((n - 1) * ALPHA + (n - 1) / n * m / BETA)
+    assert MODEL.allgatherv(m, n) == MODEL.allgather(m, n)  # m: the largest part
 
 
 def test_one_rank_and_empty_messages_cost_nothing():

@@ -1,15 +1,18 @@
-"""The only place mpicomm imports mpi4py: communicator, buffer routing, fail-fast helpers."""
+"""The only place mpicomm imports mpi4py: communicator, buffer routing, fail-fast helpers, node layout."""
 
 from .buffers import BufferRouter, query_cuda_aware
 from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
 from .local import local_rank, local_size, node_layout
+from .nodes import RANKS_PER_NODE_ENV, NodeLayout
 from .world import world
 
 __all__ = [
     "BufferRouter",
     "Communicator",
     "Handle",
+    "NodeLayout",
+    "RANKS_PER_NODE_ENV",
     "abort_on_exception",
     "local_rank",
     "local_size",

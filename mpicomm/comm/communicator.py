@@ -11,6 +11,11 @@ Every call books its bytes in the :class:`~mpicomm.ledger.Ledger` and goes throu
 :class:`~mpicomm.net.NetClock`, which times it and, given a network setting (``net="1gbit,100us"``),
 adds the alpha-beta model's cost of the operation on top of the real transfer (see
 :mod:`mpicomm.net.model` for each collective's formula).
+
+:meth:`Communicator.node_layout` (built once, on first use) splits the ranks by node for the two-level
+collectives: a Communicator of this rank's node, priced and booked on the ``intra`` link class, and one
+of the ranks holding the same local rank on every node, on ``inter`` (:mod:`mpicomm.comm.nodes`). Every
+call of the Communicator itself is priced and booked on ``inter``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import torch
 from mpi4py import MPI
 
 from ..ledger import ANY, Ledger
-from ..net import CostModel, NetClock, NetSpec, parse_net
+from ..net import CostModel, NetClock, NetLinks, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, mpi_typed, query_cuda_aware
 from .guard import WaitGuard, process_guard
+from .nodes import NodeLayout, ranks_per_node_setting
 
 __all__ = ["Communicator", "Handle"]
 
@@ -73,14 +79,18 @@ class Communicator:
     cuda_aware: whether MPI takes device pointers; ``None`` probes the library (see ``query_cuda_aware``).
     stage: ``"auto"``, ``"always"`` or ``"never"``; see :class:`~mpicomm.comm.buffers.BufferRouter`.
     net: a network setting to model on top of the real transfers: a ``--net`` string such as
-        ``"1gbit,100us"``, a :class:`~mpicomm.net.NetSpec`, or None (no model; calls are still timed).
+        ``"1gbit,100us"`` or ``"intra=nvlink,inter=10gbit,5us"``, a :class:`~mpicomm.net.NetSpec` or
+        :class:`~mpicomm.net.NetLinks`, or None (no model; calls are still timed).
+    ranks_per_node: emulate nodes of this many consecutive ranks (default: ``$MPICOMM_RANKS_PER_NODE``,
+        else the real nodes, ranks that share memory); see :meth:`node_layout`.
 
     Every blocking call runs under the process's :class:`~mpicomm.comm.guard.WaitGuard` (``guard``): a
     wait that outlasts its hang timeout ends the job with one line instead of hanging it.
     """
 
     def __init__(self, comm, topology, *, ledger: Ledger | None = None, cuda_aware: bool | None = None,
-                 stage: str = "auto", net: str | NetSpec | None = None):
+                 stage: str = "auto", net: str | NetSpec | NetLinks | None = None,
+                 ranks_per_node: int | None = None):
         if topology.size != comm.Get_size():
             # Topology and world size are the same on every rank, so every rank raises this together.
             raise ValueError(
@@ -93,10 +103,14 @@ class Communicator:
         self.schedule = topology
         self.ledger = ledger if ledger is not None else Ledger(self.rank)
         self.router = BufferRouter(query_cuda_aware() if cuda_aware is None else cuda_aware, stage)
-        self.net = net if isinstance(net, NetSpec) else parse_net(net)
+        self.net = net if isinstance(net, (NetSpec, NetLinks)) else parse_net(net)
         self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
         self.guard = process_guard(_abort_world)
         self.guard.rank = MPI.COMM_WORLD.Get_rank()
+        self.link = "inter"  # the link class this Communicator's calls are priced and booked on
+        self._peer_ranks: tuple[int, ...] | None = None  # a child's ranks as its parent's (None: itself)
+        self.ranks_per_node = ranks_per_node_setting(ranks_per_node)
+        self._layout: NodeLayout | None = None
         self._recv: dict[tuple, torch.Tensor] = {}
         self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
         self._graphs: list = []
@@ -109,6 +123,55 @@ class Communicator:
                 by_topology[topo] = comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
             self._graphs.append((topo, by_topology[topo]))
             self._neighbors.append((sources, dests))
+
+    def _child(self, raw, link: str, peer_ranks: tuple[int, ...]) -> Communicator:
+        """A Communicator over ``raw`` (a sub-communicator of this one's ranks ``peer_ranks``, in ``raw``'s rank
+        order) for the centralized collectives, priced and booked on ``link`` in this one's Ledger and clock."""
+        child = Communicator.__new__(Communicator)
+        child.comm, child.rank, child.size = raw, raw.Get_rank(), raw.Get_size()
+        child.schedule = None
+        child.ledger, child.router, child.net, child.clock, child.guard = (self.ledger, self.router, self.net,
+                                                                          self.clock, self.guard)
+        child.link = link
+        child._peer_ranks = tuple(self._peer(p) for p in peer_ranks)
+        child.ranks_per_node, child._layout = None, None
+        child._recv, child._recv_specs, child._graphs, child._neighbors = {}, {}, [], []
+        return child
+
+    def node_layout(self, *, require_equal: bool = True) -> NodeLayout:
+        """Collective the first time: the :class:`~mpicomm.comm.nodes.NodeLayout` of this Communicator's ranks
+        (nodes of ``ranks_per_node`` consecutive ranks when set, else ranks sharing memory), built once.
+
+        With nodes of different sizes it raises the layout's one-line ``ValueError`` (the same on every rank)
+        when ``require_equal``, or when the nodes are emulated; otherwise returns the layout, whose
+        ``refusal`` says why it has no two-level Communicators.
+        """
+        if self._layout is None:
+            self._layout = NodeLayout(self, self.ranks_per_node)
+        if self._layout.refusal is not None and (require_equal or self._layout.emulated):
+            raise ValueError(self._layout.refusal)
+        return self._layout
+
+    @property
+    def nodes(self) -> NodeLayout:
+        """:meth:`node_layout` (collective the first time; ``ValueError`` if the nodes differ in size)."""
+        return self.node_layout()
+
+    def _peer(self, p: int) -> int:
+        """Rank ``p`` of this Communicator as the rank the Ledger books (its root Communicator's)."""
+        return p if self._peer_ranks is None or p == ANY else self._peer_ranks[p]
+
+    def _book(self, op: str, nbytes: int, sends: dict[int, int], recvs: dict[int, int]) -> None:
+        """Book one call in the Ledger on this Communicator's link class, peers as the root's ranks."""
+        if self._peer_ranks is not None:
+            sends = {self._peer(p): n for p, n in sends.items()}
+            recvs = {self._peer(p): n for p, n in recvs.items()}
+        self.ledger.record(op, nbytes, sends, recvs, link=self.link)
+
+    def _priced(self, cost):
+        """``cost`` on this Communicator's link class (the clock hands it the model of every class)."""
+        link = self.link
+        return lambda model: cost(model.on(link))
 
     @contextmanager
     def unmetered(self):
@@ -166,7 +229,7 @@ class Communicator:
         else:
             self._check_out(out, shape, send, "neighbor_allgather")
         nbytes = send.numel() * send.element_size()
-        self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources)
+        self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources, link=self.link)
 
         def specs(sbuf, rbuf):
             return as_bytes(sbuf), self._recv_spec(key, out, rbuf)
@@ -206,12 +269,12 @@ class Communicator:
 
     def _handle(self, request, finish, cost, op: str) -> Handle:
         """A :class:`Handle` whose modelled transfer is queued on the link now."""
-        return Handle(request, finish, self.clock, self.clock.post(cost), self.guard, op)
+        return Handle(request, finish, self.clock, self.clock.post(self._priced(cost)), self.guard, op)
 
     def _run(self, op: str, cost, call):
         """A blocking MPI call: timed and charged by the clock, watched by the hang guard."""
         with self.guard.waiting(op):
-            return self.clock.run(cost, call)
+            return self.clock.run(self._priced(cost), call)
 
     def neighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int],
                            step: int = 0) -> list[torch.Tensor]:
@@ -245,7 +308,7 @@ class Communicator:
             ),
         )
         land()
-        self.ledger.record("neighbor_alltoallv", sum(send_counts) * size,
+        self._book("neighbor_alltoallv", sum(send_counts) * size,
                            {d: c * size for d, c in zip(dests, send_counts)},
                            {s: c * size for s, c in zip(sources, recv_numels)})
         return [packed_recv[d:d + c] for d, c in zip(rdispl, recv_numels)]
@@ -268,7 +331,7 @@ class Communicator:
         nbytes = t.numel() * t.element_size()
         volume = 2 * (self.size - 1) * nbytes // self.size
         peers = {ANY: volume} if self.size > 1 else {}
-        self.ledger.record("allreduce", nbytes, peers, peers)
+        self._book("allreduce", nbytes, peers, peers)
 
         def cost(model: CostModel) -> float:
             return model.allreduce(nbytes, self.size)
@@ -298,7 +361,7 @@ class Communicator:
         self._check_out(out, shape, send, "allgather")
         nbytes = send.numel() * send.element_size()
         others = {p: nbytes for p in range(self.size) if p != self.rank}
-        self.ledger.record("allgather", nbytes, others, others)
+        self._book("allgather", nbytes, others, others)
 
         def cost(model: CostModel) -> float:
             return model.allgather(nbytes, self.size)
@@ -327,13 +390,59 @@ class Communicator:
         chunk = send.numel() * send.element_size() // self.size
         others = {p: chunk for p in range(self.size) if p != self.rank}
         total = send.numel() * send.element_size()
-        self.ledger.record("alltoall", total, others, others)
+        self._book("alltoall", total, others, others)
 
         def cost(model: CostModel) -> float:
             return model.alltoall(total, self.size)
 
         return self._collective("alltoall", send, out, blocking, cost, _byte_specs, self.comm.Alltoall,
                                 self.comm.Ialltoall)
+
+    def reduce_scatter(self, send: torch.Tensor, counts: Sequence[int], out: torch.Tensor | None = None):
+        """Sum ``send`` (1-D) over all ranks and keep part ``rank`` of it: ``counts[r]`` elements for rank r, in
+        rank order (``sum(counts) == send.numel()``); returns the ``(counts[rank],)`` part (in ``out`` if given).
+
+        Booked as the pairwise exchange does it: each other rank's part is sent to it once.
+        """
+        counts = [int(c) for c in counts]
+        if send.dim() != 1 or len(counts) != self.size or sum(counts) != send.numel():
+            raise ValueError(f"reduce_scatter: send must be 1-D with sum(counts) elements and counts one per rank; "
+                             f"got shape {tuple(send.shape)} and {len(counts)} counts summing to {sum(counts)}")
+        shape = (counts[self.rank],)
+        if out is None:
+            out = self._recv_buffer("reduce_scatter", shape, send)
+        self._check_out(out, shape, send, "reduce_scatter")
+        size = send.element_size()
+        self._book("reduce_scatter", send.numel() * size,
+                   {p: counts[p] * size for p in range(self.size) if p != self.rank},
+                   {p: counts[self.rank] * size for p in range(self.size) if p != self.rank})
+        sbuf = self.router.outbound("reduce_scatter", send)
+        rbuf, land = self.router.inbound("reduce_scatter", out)
+        self._run("reduce_scatter", lambda model: model.reduce_scatter(send.numel() * size, self.size),
+                  lambda: self.comm.Reduce_scatter(mpi_typed(sbuf), mpi_typed(rbuf), counts, MPI.SUM))
+        land()
+        self.router.release(sbuf)
+        return out
+
+    def allgatherv_(self, t: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """In place: every rank's part of the 1-D ``t`` (``counts[r]`` elements for rank r, in rank order) to
+        every rank; this rank's part must already be in place. Returns ``t``."""
+        counts = [int(c) for c in counts]
+        if t.dim() != 1 or len(counts) != self.size or sum(counts) != t.numel():
+            raise ValueError(f"allgatherv_: t must be 1-D with sum(counts) elements and counts one per rank; "
+                             f"got shape {tuple(t.shape)} and {len(counts)} counts summing to {sum(counts)}")
+        buf, land = self.router.inbound("allgatherv", t)
+        if buf is not t:
+            buf.copy_(t)
+        size = t.element_size()
+        mine = counts[self.rank] * size
+        self._book("allgatherv", mine, {p: mine for p in range(self.size) if p != self.rank},
+                   {p: counts[p] * size for p in range(self.size) if p != self.rank})
+        spec = mpi_typed(buf)
+        self._run("allgatherv", lambda model: model.allgatherv(max(counts) * size, self.size),
+                  lambda: self.comm.Allgatherv(MPI.IN_PLACE, [spec[0], counts, _displacements(counts), spec[1]]))
+        land()
+        return t
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``; returns ``t``."""
@@ -342,9 +451,9 @@ class Communicator:
             buf.copy_(t)
         nbytes = t.numel() * t.element_size()
         if self.rank == root:
-            self.ledger.record("bcast", nbytes, {p: nbytes for p in range(self.size) if p != root}, {})
+            self._book("bcast", nbytes, {p: nbytes for p in range(self.size) if p != root}, {})
         else:
-            self.ledger.record("bcast", 0, {}, {root: nbytes})
+            self._book("bcast", 0, {}, {root: nbytes})
         self._run("bcast", lambda model: model.bcast(nbytes, self.size),
                   lambda: self.comm.Bcast(as_bytes(buf), root=root))
         land()

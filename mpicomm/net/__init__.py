@@ -2,6 +2,6 @@
 
 from .clock import NetClock
 from .model import CostModel
-from .spec import NAMED, NetSpec, parse_net
+from .spec import LINKS, NAMED, NetLinks, NetSpec, parse_net
 
-__all__ = ["NAMED", "CostModel", "NetClock", "NetSpec", "parse_net"]
+__all__ = ["LINKS", "NAMED", "CostModel", "NetClock", "NetLinks", "NetSpec", "parse_net"]

@@ -19,13 +19,19 @@ barrier                dissemination                           ``ceil(log2 n) al
 
 ``out``/``in`` are the bytes this rank sends to / receives from all its neighbours together (they
 share its link). With one rank nothing crosses the network and every cost is zero.
+
+The two-level collectives add a reduce-scatter (ring, ``(n-1) alpha + (n-1)/n * m / beta`` for an
+``m``-byte input) and an allgather of unequal parts (ring, each of its ``n-1`` rounds as long as the
+largest part). With two link classes (:class:`~mpicomm.net.spec.NetLinks`) :meth:`CostModel.on` gives
+the model of one class: the Communicator of a node prices its calls on ``intra``, every other
+Communicator on ``inter`` (a flat collective over several nodes is as slow as its slowest link).
 """
 
 from __future__ import annotations
 
 import math
 
-from .spec import NetSpec
+from .spec import LINKS, NetLinks, NetSpec
 
 __all__ = ["CostModel"]
 
@@ -33,10 +39,18 @@ __all__ = ["CostModel"]
 class CostModel:
     """Seconds each operation takes on the network ``spec`` (pure arithmetic, no MPI)."""
 
-    def __init__(self, spec: NetSpec):
+    def __init__(self, spec: NetSpec | NetLinks):
         self.spec = spec
-        self.alpha = spec.latency_s
-        self.beta = spec.bytes_per_s
+        inter = spec.link("inter")
+        self.alpha = inter.latency_s
+        self.beta = inter.bytes_per_s
+        self._links = {name: self if spec.link(name) == inter else CostModel(spec.link(name)) for name in LINKS}
+
+    def on(self, link: str) -> CostModel:
+        """The model of link class ``link`` (``"intra"`` or ``"inter"``); itself with one setting for both."""
+        if link not in self._links:
+            raise ValueError(f"link class must be one of {', '.join(LINKS)}, got {link!r}")
+        return self._links[link]
 
     def message(self, nbytes: int) -> float:
         """One point-to-point message: ``alpha + m / beta``."""
@@ -53,6 +67,16 @@ class CostModel:
         if n <= 1:
             return 0.0
         return 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes / self.beta
+
+    def reduce_scatter(self, nbytes: int, n: int) -> float:
+        """Ring reduce-scatter of an ``nbytes`` input (each rank keeps about ``nbytes / n`` of the sum)."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.alpha + (n - 1) / n * nbytes / self.beta
+
+    def allgatherv(self, largest: int, n: int) -> float:
+        """Ring allgather of unequal parts: ``n - 1`` rounds, each as long as the ``largest`` part."""
+        return self.allgather(largest, n)
 
     def allgather(self, nbytes: int, n: int) -> float:
         """Ring allgather where every rank contributes ``nbytes``."""

@@ -40,7 +40,8 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
     p.add_argument("--net", default="", help="model this network on top of the real transfers: BANDWIDTH,LATENCY "
-                   f"such as 1gbit,100us, or one of {', '.join(NAMED)} (empty: no model)")
+                   f"such as 1gbit,100us, or one of {', '.join(NAMED)}, or intra=SETTING,inter=SETTING for the "
+                   "links inside and between nodes, e.g. intra=nvlink,inter=10gbit,5us (empty: no model)")
     p.add_argument("--epochs", type=int, default=epochs, help="passes over the training set (see --max-steps)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
     p.add_argument("--lr-schedule", default="cosine", choices=["constant", "step", "cosine"],

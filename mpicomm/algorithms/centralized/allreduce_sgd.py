@@ -11,6 +11,12 @@ the averaged g. Traffic per step: one allreduce of 4d bytes. ``overlap=True`` al
 while backward runs (:class:`~mpicomm.algorithms.shared.buckets.GradBuckets`), bit-identical to the single
 allreduce under MPICH. The full-precision baseline of the centralized family: ``compressed_sgd`` with the
 identity codec reproduces it bit for bit. Buckets, accumulation and progress: ``docs/algorithms/centralized.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks) sums in two levels: reduce-scatter inside the
+node, allreduce of each local rank's shard between nodes, allgather inside the node
+(:mod:`~mpicomm.algorithms.shared.hierarchy`). Every sum is exact, so the step is the flat one up to the
+order of float32 additions; only a fraction 1/L (L ranks per node) of the gradient leaves each rank for the
+slow network, and every rank's NIC carries its own share.
 """
 
 from __future__ import annotations
@@ -20,14 +26,16 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, clone_optimizer_state
-from ..shared.buckets import GradBuckets, LaunchedTraffic, OverlapConfig
+from ..shared.buckets import GradBuckets, LaunchedTraffic
+from ..shared.hierarchy import TwoLevelConfig, two_level_for
 
 __all__ = ["AllReduceSGD", "AllReduceSGDConfig"]
 
 
 @dataclass(frozen=True)
-class AllReduceSGDConfig(OverlapConfig):
-    """overlap: allreduce gradient buckets during backward (bucket sizes: see OverlapConfig)."""
+class AllReduceSGDConfig(TwoLevelConfig):
+    """overlap: allreduce gradient buckets during backward (bucket sizes: see OverlapConfig). hierarchical:
+    see TwoLevelConfig."""
 
 
 class AllReduceSGD(LaunchedTraffic, Algorithm):
@@ -45,6 +53,7 @@ class AllReduceSGD(LaunchedTraffic, Algorithm):
         self.buckets = (GradBuckets(self, self.config.bucket_numel, self.config.first_bucket_numel,
                                     lambda lo, hi: self.comm.iallreduce(self.flat.grad[lo:hi]))
                         if self.config.overlap else None)
+        self.two_level = two_level_for(self.config, self.comm, self.flat.numel, self.flat.grad)
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """With overlap the buckets may be in flight: scaling the accumulation waits for :meth:`_step`."""
@@ -52,7 +61,11 @@ class AllReduceSGD(LaunchedTraffic, Algorithm):
             super()._prepare(grad)
 
     def _step(self, grad: torch.Tensor) -> None:
-        if self.buckets is None:
+        if self.two_level is not None:
+            self._first_launch = None
+            shard = self.two_level.reduce(grad)
+            self.two_level.spread(grad, self.two_level.cross.allreduce(shard))
+        elif self.buckets is None:
             self._first_launch = None
             self.comm.allreduce(grad)
         else:

@@ -15,6 +15,21 @@ and with error feedback (Karimireddy et al., ICML 2019) the compressed quantity 
 ``signsgd``: majority vote (Bernstein et al., ICLR 2019); ``ef_signsgd``: l1-scaled sign with error
 feedback. ``overlap=True`` encodes and allgathers buckets during backward, bit-identical. Details, the
 refused combinations and memory: ``docs/algorithms/centralized.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`)
+runs the step in two levels. Node a's rank of local rank j holds s_a = sum_{i on a} g_i[shard j], summed in
+full precision by a reduce-scatter inside the node; only s_a is compressed (p_a = alpha s_a + e_a with
+error feedback, e_a shard-sized), allgathered among the N ranks of local rank j (one per node) and summed,
+and the N-way sum goes back to the node's ranks by an allgather inside the node. The intra-node sum is exact,
+so what changes is who the participants are: N nodes, each carrying the sum of L gradients, per shard.
+QSGD's and TernGrad's arguments hold as they are: the codec is unbiased per element, so
+E[sum_a C(s_a)] = sum_a s_a = sum_i g_i, and QSGD's variance bound (Alistarh et al. 2017, Lemma 3.1) applies
+per shard (its buckets start again at each shard) to N compressed vectors instead of n, each the sum of L
+gradients; TernGrad's scale becomes max |s_a| of each shard (Wen et al. 2017 bound each compressed vector
+by its own scale). SignSGD votes by node: sign(sum_a sign(s_a)), the majority
+of N voters each the sign of its node's sum (Bernstein et al. 2019's vote, with nodes as voters). EF-SignSGD
+scales each shard by its own ||p_a||_1 / len (Karimireddy et al. 2019's argument needs only a compressor
+with ||C(p) - p||^2 <= (1 - delta) ||p||^2, which the scaled sign is on each shard).
 """
 
 from __future__ import annotations
@@ -27,7 +42,8 @@ import torch
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from ..base import Algorithm, check_range, clone_optimizer_state
 from ..shared.allgather_sum import PayloadSum
-from ..shared.buckets import LaunchedTraffic, OverlapConfig
+from ..shared.buckets import LaunchedTraffic
+from ..shared.hierarchy import TwoLevelConfig, two_level_for
 from .overlapped_sum import OverlappedPayloadSum
 
 __all__ = [
@@ -72,11 +88,11 @@ OVERLAP_CODECS = "identity, fp16, bf16, qsgd (a scale per bucket_size elements) 
 
 
 @dataclass(frozen=True)
-class CompressedSGDConfig(OverlapConfig):
+class CompressedSGDConfig(TwoLevelConfig):
     """codec: a name in ``mpicomm.codecs.CODECS``; codec_options: its keyword arguments (not seed);
     error_feedback: compress alpha*g + e and keep e (EF-SGD). overlap: encode and allgather gradient
     buckets during backward (codecs whose encoding can be cut only: identity, fp16, bf16, qsgd, sign with
-    scale=none)."""
+    scale=none). hierarchical: see TwoLevelConfig."""
 
     codec: str = "identity"
     codec_options: dict = field(default_factory=dict)
@@ -93,7 +109,7 @@ class CompressedSGDConfig(OverlapConfig):
 
 
 @dataclass(frozen=True)
-class QSGDConfig(OverlapConfig):
+class QSGDConfig(TwoLevelConfig):
     """bits: 1 sign + bits-1 magnitude bits per element, in [2, 8]; bucket_size: elements per max-norm scale.
     overlap: encode and allgather gradient buckets (cut on multiples of bucket_size) during backward."""
 
@@ -107,7 +123,7 @@ class QSGDConfig(OverlapConfig):
 
 
 @dataclass(frozen=True)
-class GlobalScaleConfig(OverlapConfig):
+class GlobalScaleConfig(TwoLevelConfig):
     """overlap: refused (ValueError): the method's one scale spans the whole gradient."""
 
     method = "this method"
@@ -149,8 +165,13 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.codec = self._make_codec(self.config.seed + self.comm.rank)
-        self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
-        self.error = torch.zeros_like(self.flat.data) if self._error_feedback() else None
+        self.two_level = two_level_for(self.config, self.comm, self.flat.numel, self.flat.grad)
+        if self.two_level is None:
+            self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
+            self.error = torch.zeros_like(self.flat.data) if self._error_feedback() else None
+        else:  # the node's summed shard is what is compressed and error-compensated
+            self.payload_sum = PayloadSum(self.two_level.cross, self.codec, self.two_level.shard.numel())
+            self.error = torch.zeros_like(self.two_level.shard) if self._error_feedback() else None
         self.optimizer = self._local_sgd()
         self.overlapped = (OverlappedPayloadSum(self, self.codec, self.error, self.config.bucket_numel,
                                                 self.config.first_bucket_numel) if self.config.overlap else None)
@@ -190,13 +211,18 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
             self._first_launch = self.overlapped.finish(grad)
             return grad
         self._first_launch = None
+        if self.two_level is None:
+            p, out = grad, grad
+        else:  # p = the node's sum of this rank's shard; the sum over nodes lands in the shard of grad
+            p, out = self.two_level.reduce(grad), grad[self.two_level.lo:self.two_level.hi]
         if self.error is not None:
-            grad.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient buffer
-        payload = self.codec.encode(grad)
+            p.mul_(self.lr).add_(self.error)  # p = alpha*g + e, in the gradient (or shard) buffer
+        payload = self.codec.encode(p)
         if self.error is not None:
-            self.codec.decode(payload, self.flat.numel, out=self.error)  # Delta = C(p), what every rank decodes
-            torch.sub(grad, self.error, out=self.error)  # e <- p - Delta
-        return self.payload_sum(payload, out=grad)
+            self.codec.decode(payload, p.numel(), out=self.error)  # Delta = C(p), what every rank decodes
+            torch.sub(p, self.error, out=self.error)  # e <- p - Delta
+        self.payload_sum(payload, out=out)
+        return grad if self.two_level is None else self.two_level.spread(grad)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._aggregate(self._exchange(grad))
@@ -252,7 +278,7 @@ class SignSGD(CompressedSGD):
     """SignSGD with majority vote: step along sign(sum_r sign(g_r)) (ties give 0)."""
 
     name = "signsgd"
-    config_class = OverlapConfig
+    config_class = TwoLevelConfig
 
     def _make_codec(self, seed):
         return SignCodec(scale="none")
