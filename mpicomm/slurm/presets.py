@@ -5,8 +5,11 @@ checked-in template drifts from its preset. Paper settings: Moniqua trains ResNe
 workers on a ring (Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze
 pre-trains BERT-Base and BERT-Large (Tang et al. 2020). Data paths are placeholders to adapt per site.
 
-GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``) and
-pass ``--device auto``; :func:`check_preset` refuses to render one with ``gpus-per-task=0``. The CPU
+GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``), run
+``ntasks-per-node`` = the node's GPU count and pass ``--device auto``; :func:`check_preset` refuses to render
+one with ``gpus-per-task=0``. ``resnet18_qsgd_nodes`` spans 4 nodes of 8 GPUs with QSGD in two levels
+(``--hierarchical on``: exact sums inside each node, 4-bit QSGD between nodes on each GPU's shard; see
+``docs/network.md``). The CPU
 preset (``resnet20_cpu``) runs one rank per core with ``OMP_NUM_THREADS=1`` (the template sets it from
 ``cpus-per-task``) and ``--device cpu``; the template adds MPICH's yield setting when ranks outnumber cores.
 """
@@ -45,6 +48,11 @@ PRESETS: dict[str, dict[str, str]] = {
         "ALGORITHM": "apmsqueeze", "EPOCHS": "200", "SAVE_EVERY": "1000", "TOPOLOGY": "complete",
         "EXTRA_ARGS": "--model resnet18 --warmup-fraction 0.15 --lr 1e-3 --data-dir data/cifar-10-batches-py "
                       "--batch-size 16 --lr-schedule step",
+    },
+    "resnet18_qsgd_nodes": {
+        **_GPU, "nodes": "4", "job-name": "r18-qsgd-nodes", "time": "12:00:00", "APP": "apps/train_resnet.py",
+        "ALGORITHM": "qsgd", "EPOCHS": "200", "SAVE_EVERY": "1000",
+        "EXTRA_ARGS": f"--model resnet18 --bits 4 --hierarchical on --lr 0.1 {_CIFAR}",
     },
     "bert_base_apmsqueeze": {
         **_GPU, "nodes": "4", "job-name": "bert-base-apms", "time": "3-00:00:00", "APP": "apps/train_bert.py",
