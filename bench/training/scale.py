@@ -22,11 +22,14 @@ machine's cores (time per step is therefore not a cluster's: the ``network`` par
   runs, times each method's per-step compute (measured on 2 ranks, one per core) plus its per-step
   modelled communication at 16 ranks (measured over 30 steps under each setting).
 
-A finished case is reused unless ``--fresh``. Writes docs/results/scale.{md,json}.
+A finished case is reused unless ``--fresh``: its runs under bench/results/runs/scale/, or else its row in the
+committed docs/results/scale.json (same steps and seeds), so the protocol can be run a few cases at a time on
+different days. Writes docs/results/scale.{md,json}.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -34,7 +37,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from bench.apprun import SETTINGS, AppRun, bench_parser, finished, launch  # noqa: E402
-from bench.common import RUNS, enter_loopback_namespace, write_table  # noqa: E402
+from bench.common import RESULTS, RUNS, enter_loopback_namespace, write_table  # noqa: E402
 
 TARGET = 0.97
 BASE = ["--dataset", "mnist", "--model", "resnet8", "--batch-size", "8", "--lr", "0.1", "--momentum", "0.9",
@@ -158,6 +161,20 @@ def _markdown(table: dict, network: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reported(steps: int, seeds: str) -> dict:
+    """The rows of the committed docs/results/scale.json measured with these steps and seeds, by case."""
+    path = os.path.join(RESULTS, "scale.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        previous = json.load(f)
+    if previous.get("steps") != steps or previous.get("seeds") != seeds:
+        return {}
+    return {(r["part"], r["ranks"], r["topology"], r["method"]): {k: v for k, v in r.items()
+                                                                  if k not in ("part", "ranks", "topology", "method")}
+            for r in previous["rows"]}
+
+
 def main() -> None:
     """Run the chosen parts, then write the table and JSON."""
     parser = bench_parser(__doc__.splitlines()[0])
@@ -170,10 +187,14 @@ def main() -> None:
     enter_loopback_namespace()
     seeds = [int(s) for s in args.seeds.split(",")]
     chosen = args.parts.split(",")
+    reported = {} if args.fresh else _reported(args.steps, args.seeds)
     table, missing = {}, []
     for part in [p for p in chosen if p in PARTS]:
         for ranks, topology, extra, methods in PARTS[part]:
             for method in methods:
+                if (part, ranks, topology, method) in reported:
+                    table[(part, ranks, topology, method)] = reported[(part, ranks, topology, method)]
+                    continue
                 runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh, args.report)
                         for seed in seeds]
                 if all(runs):
@@ -183,8 +204,9 @@ def main() -> None:
     network = _network(table, args.fresh) if "network" in chosen and not args.report else []
     title = (f"Full MNIST, ResNet-8, batch 8 per rank, {args.steps} steps, seeds {args.seeds}; accuracy of the "
              "averaged model on 2,000 test images")
-    payload = {"target": TARGET, "rows": [{"part": k[0], "ranks": k[1], "topology": k[2], "method": k[3], **v}
-                                          for k, v in table.items()], "network": network, "not_run": missing}
+    rows = [{"part": k[0], "ranks": k[1], "topology": k[2], "method": k[3], **v} for k, v in table.items()]
+    payload = {"target": TARGET, "steps": args.steps, "seeds": args.seeds, "rows": rows, "network": network,
+               "not_run": missing}
     not_run = "\n\nNot run yet (every seed needed): " + "; ".join(missing) + "." if missing else ""
     write_table("scale", title, _markdown(table, network) + not_run, payload)
 
