@@ -1,7 +1,7 @@
 """The seeds' claims where users run them: full MNIST, 8 to 32 ranks, 1,500 steps, 2 seeds (mean ± half-spread).
 
     python bench/training/scale.py [--parts decentralized,large,noniid,scaling,centralized,network] [--seeds 0,1]
-                          [--steps 1500] [--fresh]
+                          [--steps 1500] [--methods "D-PSGD,Moniqua default"] [--fresh] [--report]
 
 Every case is a real ``mpiexec`` job of ``apps/train_resnet.py --dataset mnist`` (60,000 training images,
 evaluated on the first 2,000 test images every 250 steps and at the end; ResNet-8, the 6n+2 family's
@@ -181,6 +181,8 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join([*PARTS, "network"]))
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated method names: launch only these (the rest as with --report)")
     parser.add_argument("--report", action="store_true",
                         help="launch nothing: write the tables from the cases whose every seed has finished")
     args = parser.parse_args()
@@ -195,7 +197,8 @@ def main() -> None:
                 if (part, ranks, topology, method) in reported:
                     table[(part, ranks, topology, method)] = reported[(part, ranks, topology, method)]
                     continue
-                runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh, args.report)
+                report = args.report or (args.methods is not None and method not in args.methods.split(","))
+                runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh, report)
                         for seed in seeds]
                 if all(runs):
                     table[(part, ranks, topology, method)] = _summary(runs)
