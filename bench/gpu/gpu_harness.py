@@ -48,7 +48,9 @@ ALGORITHMS = {
     "adpsgd": ({"momentum": 0.9}, True),  # asynchronous (ASYNCHRONOUS below)
     "moniqua_adpsgd": ({"momentum": 0.9}, True),
     "allreduce_sgd": ({"momentum": 0.9}, False),
+    "allreduce_sgd_hier": ({"momentum": 0.9, "hierarchical": True}, False),  # two levels on the node layout
     "qsgd": ({"bits": 4}, True),
+    "qsgd_hier": ({"bits": 4, "hierarchical": True}, True),
     "qsgd_overlap": ({"bits": 4, "overlap": True, "first_bucket_numel": 4096, "bucket_numel": 65536}, True),
     "terngrad": ({}, True),
     "signsgd": ({"lr": 1e-3}, False),
@@ -58,6 +60,10 @@ ALGORITHMS = {
     "hsq": ({"d": 8}, False),
     "allreduce_adam": ({"lr": 1e-3}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
+    "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
+    "sparseloco": ({"period": 2}, False),
+    "decentralized_diloco": ({"period": 2}, False),
+    "streaming_diloco": ({"period": 4, "fragments": 2, "delay": 1}, False),
 }
 ASYNCHRONOUS = {"adpsgd", "moniqua_adpsgd"}
 """Which peer state a pull sees depends on timing. Usually a device run and a CPU run see the same and agree
@@ -66,8 +72,9 @@ exactly, but about one pair in five interleaves differently and their last losse
 
 
 def algorithm_name(key: str) -> str:
-    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``, ``qsgd_overlap`` ``qsgd``)."""
-    return "moniqua" if key == "moniqua_1bit" else key.removesuffix("_overlap")
+    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``, ``qsgd_overlap`` and
+    ``qsgd_hier`` are ``qsgd``)."""
+    return "moniqua" if key == "moniqua_1bit" else key.removesuffix("_overlap").removesuffix("_hier")
 
 
 def bench_codecs(x_ref: dict) -> list:
