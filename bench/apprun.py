@@ -101,10 +101,12 @@ def finished(label: str, app: str, ranks: int, args: list[str], run_dir: str, *,
 
 
 def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, fresh: bool = False,
-           timeout: float = 1800, launcher: list[str] | None = None) -> AppRun:
+           timeout: float = 1800, launcher: list[str] | None = None, env: dict[str, str] | None = None) -> AppRun:
     """Run ``mpiexec -n ranks python apps/<app> args --out-dir run_dir`` (or reuse a finished identical run).
 
     ``launcher`` replaces ``mpiexec -n ranks`` (e.g. ``scripts/netshape.sh mpirun --ranks 4 --net ... --``).
+    ``env`` adds variables to the job's environment (e.g. ``{"MPICOMM_RANKS_PER_NODE": "2"}``); they are not
+    part of the command a finished run is matched on, so a caller that varies them gives each its own ``run_dir``.
     """
     command = _command(app, ranks, args, run_dir, launcher)
     done = None if fresh else finished(label, app, ranks, args, run_dir, launcher=launcher)
@@ -115,8 +117,8 @@ def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, f
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{label}: {' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     with open(stamp, "w") as f:
