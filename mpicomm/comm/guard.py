@@ -37,6 +37,9 @@ EXIT_HUNG = 4
 DEFAULT_HANG_TIMEOUT_S = 600.0
 SIGNAL_GRACE_S = 10.0
 _TICK_S = 0.5
+_FORWARD_S = 1.0
+"""Seconds between the hang message and ``MPI_Abort``: the launcher forwards a rank's stderr asynchronously and
+the abort tears the job down at once, which lost the line on a loaded machine."""
 
 
 def _seconds_from_env(name: str, default: float) -> float:
@@ -173,6 +176,7 @@ class WaitGuard:
             self._say(f"waited {now - since:.0f} s in {self._where(what)}: another rank is not taking part "
                       f"(it ended, crashed or waits elsewhere); aborting the job (exit {EXIT_HUNG}). "
                       f"If a step really takes this long, raise --hang-timeout (MPICOMM_HANG_TIMEOUT)")
+            time.sleep(_FORWARD_S)
             self._abort(EXIT_HUNG)
             os._exit(EXIT_HUNG)
 
