@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2, 3 and 4 ranks, the CPU part of
-# scripts/gpu_check.sh, and
+# scripts/gpu_check.sh, then
 # rendered sbatch templates on a real single-node SLURM (root only; installed from Debian if missing).
 # Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
 # As root with `unshare` available, all tiers run in a loopback-only network namespace (no MPI byte
@@ -30,42 +30,23 @@ tier() {  # tier NAME COMMAND...
 }
 MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-900}   # a hang guard: pytest-timeout stops a hung test after 300 s; a loaded 2-core machine took 420 s
 tier lint ruff check .
-beside_pids=(); beside_logs=()
-beside() {  # beside NAME COMMAND...: a tier run in the background, its log shown and its exit counted at the end
-  local name=$1 log; shift
-  log=$(mktemp "/tmp/mpicomm-tier-$name.XXXXXX")
-  echo "== $name: started beside the other tiers: $*"
-  ( t0=$SECONDS; "$@"; rc=$?; echo "== $name: exit $rc in $((SECONDS - t0)) s"; exit $rc ) > "$log" 2>&1 &
-  beside_pids+=($!); beside_logs+=("$name:$log")
-}
-# The SLURM tier waits most of its time (job start, requeue, credential expiry) and the 1-rank MPI tier uses
-# one core: both run beside the serial tier, whose in-process tests use the other.
-if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
-  beside slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -m slurm tests/test_slurm.py
-else
-  echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
-fi
+tier serial python -m pytest -q "$@"
 # 3 ranks: an odd count, where shards and neighbourhoods are uneven. What does not depend on the count
 # (resume, mixed precision, the user-optimizer loop, the README's examples) runs at 2 and 4 ranks only.
 SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_optimizer_mpi.py
                    --ignore=tests/test_device_mpi.py --ignore=tests/test_user_optimizer_mpi.py
                    --ignore=tests/test_examples_mpi.py)
-mpi_tier() {  # mpi_tier N [PYTEST ARGS...]
-  local n=$1; shift
-  timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "$@"
-}
-beside mpi-1 mpi_tier 1 --basetemp "$(mktemp -d /tmp/mpicomm-mpi-1.XXXXXX)" "${SAME_AT_ANY_COUNT[@]}" "$@"
-tier serial python -m pytest -q "$@"
-tier mpi-2 mpi_tier 2 "$@"
-tier mpi-3 mpi_tier 3 "${SAME_AT_ANY_COUNT[@]}" "$@"
-tier mpi-4 mpi_tier 4 "$@"
-tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
-for i in "${!beside_pids[@]}"; do
-  wait "${beside_pids[$i]}"; rc=$?
-  name=${beside_logs[$i]%%:*}
-  cat "${beside_logs[$i]#*:}"
-  [ $rc = 0 ] || failed+=("$name (exit $rc)")
+for n in 1 2 3 4; do
+  skip=(); [ "$n" = 1 ] || [ "$n" = 3 ] && skip=("${SAME_AT_ANY_COUNT[@]}")
+  tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" \
+    mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${skip[@]}" "$@"
 done
+tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
+if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
+  tier slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -m slurm tests/test_slurm.py
+else
+  echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED tiers: ${failed[*]}"
   exit 1
