@@ -190,6 +190,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     chosen = args.parts.split(",")
     reported = {} if args.fresh else _reported(args.steps, args.seeds)
+    launched = None if args.methods is None else set(args.methods.split(","))
     table, missing = {}, []
     for part in [p for p in chosen if p in PARTS]:
         for ranks, topology, extra, methods in PARTS[part]:
@@ -197,7 +198,7 @@ def main() -> None:
                 if (part, ranks, topology, method) in reported:
                     table[(part, ranks, topology, method)] = reported[(part, ranks, topology, method)]
                     continue
-                report = args.report or (args.methods is not None and method not in args.methods.split(","))
+                report = args.report or (launched is not None and method not in launched)
                 runs = [_run(part, ranks, topology, extra, method, seed, args.steps, args.fresh, report)
                         for seed in seeds]
                 if all(runs):

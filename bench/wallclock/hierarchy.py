@@ -117,7 +117,7 @@ def main() -> None:
     base = ["--model", "resnet20", "--dataset", "digits", "--batch-size", "16", "--max-steps", str(args.steps),
             "--log-every", "1", "--eval-every", str(10 * args.steps), "--eval-limit", "64", "--eval-bn-batches", "2",
             "--no-overlap"]
-    rows, payload = [], {}
+    rows, results = [], {}
     for network in networks:
         for method in methods:
             summary = {}
@@ -129,13 +129,13 @@ def main() -> None:
                 summary[layout] = summarize(run)
             verdict = compare(summary["flat"], summary["two-level"])
             rows.append(table_row(network, method, summary["flat"], summary["two-level"], verdict))
-            payload.setdefault(network, {})[method] = {**summary, **verdict}
+            results.setdefault(network, {})[method] = {**summary, **verdict}
     header = ["network", "method", "inter-node kB/step, flat / two-level", "ratio",
               f"target <= {INTER_RATIO_TARGET:g}", "intra-node kB/step, flat / two-level",
               "modelled comm ms/step, flat / two-level", "ratio", "target two-level < flat",
               "compute s/step, flat / two-level", "step s/step, flat / two-level",
               "final train loss, flat / two-level", "largest per-step train-loss gap"]
-    met = sum(p["inter_target_met"] + p["comm_target_met"] for n in payload.values() for p in n.values())
+    met = sum(p["inter_target_met"] + p["comm_target_met"] for n in results.values() for p in n.values())
     notes = (f"Per rank (rank 0's Ledger) and step, steps 2..{args.steps}. Networks: "
              + ", ".join(f"{n} = `--net {NETWORKS[n]}`" for n in networks)
              + ". The flat run books every byte between nodes (a flat collective goes at its slowest link). "
@@ -149,7 +149,7 @@ def main() -> None:
              f"{args.steps} steps")
     payload = {"ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "steps": args.steps, "networks":
                {n: NETWORKS[n] for n in networks}, "methods": {m: METHODS[m] for m in methods},
-               "inter_ratio_target": INTER_RATIO_TARGET, "results": payload}
+               "inter_ratio_target": INTER_RATIO_TARGET, "results": results}
     write_table("hierarchy", title, markdown_table(header, rows) + "\n\n" + notes, payload)
 
 
