@@ -5,6 +5,9 @@ Python (the MPICH wheel's, the library mpi4py uses), never whichever is first on
 fails the test instead of skipping it.
 """
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -31,6 +34,18 @@ def with_mpiexec_on_path(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     env["PATH"] = os.path.dirname(mpiexec()) + os.pathsep + env.get("PATH", "")
     return env
+
+
+def app_module(name: str):
+    """``apps/<name>.py`` imported in this process (its start-up line swallowed), for its ``build_parser``."""
+    apps = os.path.join(REPO, "apps")
+    if apps not in sys.path:
+        sys.path.insert(0, apps)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(apps, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    with contextlib.redirect_stdout(io.StringIO()):
+        spec.loader.exec_module(module)
+    return module
 
 
 def launch(ranks: int, app: str, args: list[str], timeout: int = 240,

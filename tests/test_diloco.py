@@ -10,6 +10,7 @@ from mpicomm.algorithms.local.diloco import DiLoCoConfig
 from mpicomm.algorithms.local.sparseloco import SparseLoCoConfig
 from mpicomm.codecs import bitpack
 from mpicomm.codecs.chunked_topk import ChunkedTopKCodec
+from mpicomm.training.param_groups import app_optimizer
 
 
 @pytest.mark.parametrize("n,chunk,density,bits", [
@@ -70,6 +71,10 @@ def test_codec_refuses_bad_arguments(kwargs, message):
     (SparseLoCoConfig, {"ef_decay": -0.1}, "ef_decay must be in"),
     (DecentralizedDiLoCoConfig, {"gossip_rounds": 1.5}, "gossip_rounds must be an int >= 1"),
     (DecentralizedDiLoCoConfig, {"outer_nesterov": "yes"}, "outer_nesterov must be a bool"),
+    (DiLoCoConfig, {"inner_optimizer": "adam"}, "inner_optimizer must be one of"),
+    (DiLoCoConfig, {"inner_optimizer": "adamw", "momentum": 0.9}, "momentum must be 0 with inner_optimizer"),
+    (SparseLoCoConfig, {"beta2": 0.95}, "beta2 set the AdamW inner step"),
+    (DiLoCoConfig, {"inner_optimizer": "adamw", "beta1": 1.0}, "beta1 must be in"),
 ])
 def test_configs_refuse_bad_options(config, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -82,3 +87,15 @@ def test_defaults_are_the_papers():
     s = SparseLoCoConfig()
     assert (s.outer_lr, s.density, s.chunk, s.bits) == (1.0, 0.02, 4096, 2)
     assert DecentralizedDiLoCoConfig().gossip_rounds == 1
+    assert (d.inner_optimizer, d.beta1, d.beta2, d.eps) == ("sgd", 0.9, 0.999, 1e-8)
+
+
+def test_app_optimizer_gives_the_local_methods_adamw_with_their_betas():
+    """--no-decay-bias-norm with inner_optimizer adamw: AdamW over the two groups, the fields taken from the options."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    options = {"inner_optimizer": "adamw", "lr": 4e-4, "weight_decay": 0.1, "beta2": 0.95, "period": 5}
+    opt = app_optimizer("diloco", model, options)
+    assert isinstance(opt, torch.optim.AdamW) and options == {"period": 5}
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == [
+        (4e-4, (0.9, 0.95), 0.1), (4e-4, (0.9, 0.95), 0.0)]
+    assert isinstance(app_optimizer("diloco", model, {"momentum": 0.9}), torch.optim.SGD)

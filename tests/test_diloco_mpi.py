@@ -22,19 +22,28 @@ STEPS = 7
 
 
 def reference(name, schedule, steps, lr=0.1, period=3, momentum=0.0, weight_decay=0.0, outer_lr=0.7,
-              outer_momentum=0.9, outer_nesterov=True, codec=None, ef_decay=0.95, gossip_rounds=1):
+              outer_momentum=0.9, outer_nesterov=True, codec=None, ef_decay=0.95, gossip_rounds=1,
+              inner_optimizer="sgd", beta1=0.9, beta2=0.999, eps=1e-8):
     """Every rank's local model after ``steps`` steps of ``name``, in float64 (codecs applied in float32)."""
     n = schedule.size
     xg = initial_flat().double().repeat(n, 1)
     x, m_in, m_out, e = xg.clone(), torch.zeros_like(xg), torch.zeros_like(xg), torch.zeros_like(xg)
+    v_in = torch.zeros_like(xg)
 
     def compress(rows):
         return torch.stack([codec.roundtrip(row.float()).double() for row in rows])
 
     for t in range(steps):
-        g = torch.stack([grad_at(x[r].float(), r, t).double() for r in range(n)]) + weight_decay * x
-        m_in = momentum * m_in + g
-        x = x - lr * m_in
+        g = torch.stack([grad_at(x[r].float(), r, t).double() for r in range(n)])
+        if inner_optimizer == "adamw":  # decoupled decay; bias corrections count every inner step, syncs included
+            x = x * (1 - lr * weight_decay)
+            m_in = beta1 * m_in + (1 - beta1) * g
+            v_in = beta2 * v_in + (1 - beta2) * g * g
+            k = t + 1
+            x = x - lr / (1 - beta1 ** k) * m_in / (v_in.sqrt() / (1 - beta2 ** k) ** 0.5 + eps)
+        else:
+            m_in = momentum * m_in + g + weight_decay * x
+            x = x - lr * m_in
         if (t + 1) % period:
             continue
         s = (t + 1) // period - 1
@@ -66,6 +75,9 @@ CASES = [
     ("diloco", {}),
     ("diloco", {"momentum": 0.5, "weight_decay": 0.01, "outer_nesterov": False, "period": 2}),
     ("diloco", {"codec": "uniform", "codec_options": {"bits": 4}}),
+    ("diloco", {"inner_optimizer": "adamw", "weight_decay": 0.1, "beta2": 0.95, "period": 2}),
+    ("sparseloco", {"outer_lr": 1.0, "outer_momentum": 0.0, "density": 0.25, "chunk": 32, "bits": 2,
+                    "inner_optimizer": "adamw", "eps": 1e-6}),
     ("sparseloco", {"outer_lr": 1.0, "outer_momentum": 0.0, "density": 0.25, "chunk": 32, "bits": 2}),
     ("sparseloco", {"outer_lr": 0.8, "outer_momentum": 0.0, "density": 0.1, "chunk": 100, "bits": 3,
                     "ef_decay": 0.5, "period": 2}),
@@ -139,7 +151,8 @@ def test_reductions(comm):
 
 
 def test_user_optimizer_is_the_inner_step(comm):
-    """optimizer=torch.optim.SGD(lr, momentum) gives the built-in inner step's run."""
+    """optimizer=torch.optim.SGD(lr, momentum) gives the built-in SGD inner step's run; torch.optim.AdamW the
+    built-in inner_optimizer "adamw" run."""
 
     def body():
         c = Communicator(comm, topology.ring(comm.Get_size()))
@@ -148,6 +161,11 @@ def test_user_optimizer_is_the_inner_step(comm):
                         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5))
             b, _ = _run(c, name, 7, period=3, lr=0.1, momentum=0.5)
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+            a, _ = _run(c, name, 7, period=3, optimizer=lambda m: torch.optim.AdamW(
+                m.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1))
+            b, _ = _run(c, name, 7, period=3, lr=0.01, inner_optimizer="adamw", beta1=0.8, beta2=0.9,
+                        weight_decay=0.1)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{name} adamw")
 
     run_all(comm, body)
 
@@ -195,6 +213,7 @@ def test_bytes_per_step_match_formula(comm, name, options):
     ("diloco", {"codec": "uniform", "codec_options": {"bits": 2, "rounding": "stochastic"}, "momentum": 0.5}),
     ("sparseloco", {"density": 0.25, "chunk": 32}),
     ("decentralized_diloco", {"momentum": 0.5}),
+    ("decentralized_diloco", {"inner_optimizer": "adamw", "weight_decay": 0.1}),
 ])
 def test_state_round_trip_is_bit_exact(comm, name, options):
     """4 + 5 steps == 9 steps with period 3, split inside a period: global copy, outer momentum, EF, codec."""

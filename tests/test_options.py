@@ -71,19 +71,12 @@ def test_console_quiets_other_ranks_and_routes_warnings(monkeypatch):
 
 def _app_parsers():
     """Each app's full parser for each algorithm (the app's options and that algorithm's)."""
-    import importlib.util
-    import os
-    import sys
-
     from mpicomm.training.options import add_algorithm_options
 
-    apps = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps")
-    sys.path.insert(0, apps)
+    from .app_runs import app_module
+
     for name in ("train_resnet", "train_bert"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(apps, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        with redirect_stdout(io.StringIO()):
-            spec.loader.exec_module(module)
+        module = app_module(name)
         for algorithm in sorted(ALGORITHMS):
             parser = module.build_parser()
             add_algorithm_options(parser, algorithm)
@@ -120,3 +113,17 @@ def test_abbreviated_options_are_refused_and_momentum_defaults_to_what_recipes_u
     assert resnet.parse_args([]).momentum == 0.9
     assert parsers["train_resnet --algorithm d2"].parse_args([]).momentum == 0.0  # D²'s update has no momentum
     assert parsers["train_bert --algorithm allreduce_adam"].parse_args([]).momentum == 0.0  # Adam: beta1
+
+
+def test_the_app_momentum_gives_way_to_an_inner_adamw_unless_typed():
+    """``--inner-optimizer adamw`` takes no momentum: the untyped app default 0.9 becomes 0; a typed 0.9 is kept
+    (and the config then refuses it with its message)."""
+    from .app_runs import app_module
+
+    def parse(*argv):
+        return parse_app_args(app_module("train_bert").build_parser(), ["--algorithm", "diloco", *argv])
+
+    assert parse().momentum == 0.9
+    assert parse("--inner-optimizer", "adamw").momentum == 0.0
+    assert parse("--inner-optimizer", "adamw", "--momentum", "0.9").momentum == 0.9
+    assert parse("--inner-optimizer", "adamw", "--momentum=0.5").momentum == 0.5

@@ -2,15 +2,22 @@
 core on the CPU, a GPU preset with gpus-per-task=0 is refused with the reason, and the template's
 oversubscription switch exports MPICH's yield setting exactly when ranks outnumber the node's CPUs."""
 
+import dataclasses
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
+from mpicomm.algorithms import ALGORITHMS
 from mpicomm.slurm import parse_template
 from mpicomm.slurm.commands import preset_text, repo_slurm_dir
 from mpicomm.slurm.presets import PRESETS, check_preset, is_gpu_preset
+from mpicomm.training.arguments import parse_app_args
+from mpicomm.training.options import config_kwargs
+
+from .app_runs import app_module
 
 GENERIC = open(os.path.join(repo_slurm_dir(), "generic.sbatch")).read()
 GPU = sorted(n for n in PRESETS if is_gpu_preset(n))
@@ -55,3 +62,18 @@ def test_gpu_preset_with_zero_gpus_is_refused_with_the_reason():
     assert proc.returncode != 0
     assert proc.stderr.strip().startswith("mpicomm slurm render: error: --set gpus-per-task=0: resnet18_apmsqueeze "
                                           "is a GPU preset")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_command_line_is_accepted_by_its_app_and_algorithm(name):
+    """The app's parser takes the preset's options (argparse exits on an unknown or misspelt one) and the
+    algorithm's config accepts their values, so a submitted preset does not fail at start-up."""
+    t = parse_template(preset_text(GENERIC, name))
+    app = app_module(os.path.splitext(os.path.basename(t.value("APP")))[0])
+    argv = ["--algorithm", t.value("ALGORITHM"), "--topology", t.value("TOPOLOGY"), "--epochs", t.value("EPOCHS"),
+            "--save-every", t.value("SAVE_EVERY"), "--device", t.value("DEVICE"), *shlex.split(t.value("EXTRA_ARGS"))]
+    args = parse_app_args(app.build_parser(), argv)
+    options = config_kwargs(args, args.algorithm)
+    if "total_steps" in {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}:
+        options.setdefault("total_steps", 100_000)  # the app sets it from the epochs and the data
+    ALGORITHMS[args.algorithm].config_class(**options)

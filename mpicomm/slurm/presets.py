@@ -3,7 +3,9 @@
 Edit a preset here, then run ``mpicomm slurm regenerate``; ``tests/test_slurm_templates.py`` fails if a
 checked-in template drifts from its preset. Paper settings: Moniqua trains ResNet-20/110 on CIFAR-10 with 8
 workers on a ring (Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze
-pre-trains BERT-Base and BERT-Large (Tang et al. 2020). Data paths are placeholders to adapt per site.
+pre-trains BERT-Base and BERT-Large (Tang et al. 2020); ``bert_base_diloco`` pre-trains BERT-Base with
+DiLoCo's settings (Douillard et al. 2023: inner AdamW at lr 4e-4 and weight decay 0.1, H = 500, outer
+Nesterov SGD at 0.7 / 0.9), one DiLoCo worker per GPU. Data paths are placeholders to adapt per site.
 
 GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``), run
 ``ntasks-per-node`` = the node's GPU count and pass ``--device auto``; :func:`check_preset` refuses to render
@@ -65,6 +67,13 @@ PRESETS: dict[str, dict[str, str]] = {
         "ALGORITHM": "apmsqueeze", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
         "EXTRA_ARGS": "--preset large --data data/corpus --seq-len 128 --batch-size 16 --lr 2e-4 "
                       "--warmup-fraction 0.2 --lr-warmup-steps 10000 --lr-schedule cosine",
+    },
+    "bert_base_diloco": {
+        **_GPU, "nodes": "4", "job-name": "bert-base-diloco", "time": "3-00:00:00", "APP": "apps/train_bert.py",
+        "ALGORITHM": "diloco", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
+        "EXTRA_ARGS": "--preset base --data data/corpus --seq-len 128 --batch-size 32 --inner-optimizer adamw "
+                      "--lr 4e-4 --weight-decay 0.1 --no-decay-bias-norm --period 500 --lr-warmup-steps 1000 "
+                      "--lr-schedule cosine",
     },
 }
 

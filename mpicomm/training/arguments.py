@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from ..comm.guard import DEFAULT_HANG_TIMEOUT_S
 from ..net import NAMED, parse_net
 from .device import place, place_task
 from .loop import TrainConfig, agree_steps_per_epoch
-from .options import add_algorithm_options, config_kwargs
+from .options import add_algorithm_options, config_kwargs, settle_app_defaults
 from .param_groups import app_optimizer
 from .precision import PRECISIONS
 from .rundir import RunLock, claim_out_dir
@@ -99,7 +100,9 @@ def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Names
     pre.add_argument("--algorithm", default=parser.get_default("algorithm"))
     known, _ = pre.parse_known_args(argv)
     add_algorithm_options(parser, known.algorithm)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    settle_app_defaults(args, known.algorithm, sys.argv[1:] if argv is None else list(argv))
+    return args
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

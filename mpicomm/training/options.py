@@ -14,7 +14,8 @@ import re
 
 from ..algorithms import ALGORITHMS
 
-__all__ = ["add_algorithm_options", "config_kwargs", "field_help", "key_values", "number_or_word"]
+__all__ = ["APP_DEFAULTS", "add_algorithm_options", "config_kwargs", "field_help", "key_values", "number_or_word",
+           "settle_app_defaults"]
 
 
 def number_or_word(text: str):
@@ -81,7 +82,8 @@ def field_help(config_class) -> dict[str, str]:
 
 APP_DEFAULTS = {"momentum": 0.9}
 """Where the apps' command line differs from the library's defaults: momentum 0.9, what every recipe the
-results use trains with (the library keeps 0, plain SGD), for each algorithm whose config accepts it."""
+results use trains with (the library keeps 0, plain SGD), for each algorithm whose config accepts it (and,
+see :func:`settle_app_defaults`, whose other options on the command line leave room for it)."""
 
 
 def _app_default(cls, field: dataclasses.Field):
@@ -127,3 +129,28 @@ def config_kwargs(args: argparse.Namespace, name: str) -> dict:
         if hasattr(args, field.name) and getattr(args, field.name) != _default(field):
             out[field.name] = getattr(args, field.name)
     return out
+
+
+def settle_app_defaults(args: argparse.Namespace, name: str, argv: list[str]) -> None:
+    """Give an :data:`APP_DEFAULTS` value the user did not type back to the library's default where the
+    algorithm's other options refuse it and accept the library's (``--inner-optimizer adamw`` takes no
+    momentum: 0 then). A value typed in ``argv`` is kept, so a real contradiction still gets its error."""
+    cls = ALGORITHMS[name]
+    typed = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
+    for key, value in APP_DEFAULTS.items():
+        if key not in fields or "--" + key.replace("_", "-") in typed or getattr(args, key, None) != value:
+            continue
+        if _accepts(cls, config_kwargs(args, name)):
+            continue
+        library = _default(fields[key])
+        if _accepts(cls, {**config_kwargs(args, name), key: library}):
+            setattr(args, key, library)
+
+
+def _accepts(cls, options: dict) -> bool:
+    try:
+        cls.config_class(**options)
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -4,7 +4,7 @@ The usual recipe for BERT and ResNets (Goyal et al. 2017; Devlin et al. 2019): w
 weights of linear and convolution layers only, none on biases or on the affine parameters of
 BatchNorm, GroupNorm and LayerNorm. The app then hands the algorithm a torch optimizer over the two
 groups (``optimizer=``, :meth:`~mpicomm.algorithms.base.Algorithm.use_optimizer`) built from the
-algorithm's own ``lr``/``momentum``/``weight_decay`` (or Adam's ``beta1``/``beta2``/``eps``) options.
+algorithm's own ``lr``/``momentum``/``weight_decay`` (or AdamW's ``beta1``/``beta2``/``eps``) options.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def app_optimizer(algorithm: str, model: torch.nn.Module, options: dict) -> torch.optim.Optimizer:
     """The optimizer of ``--no-decay-bias-norm`` for ``algorithm``; pops its fields from ``options``.
 
-    ``allreduce_adam``: ``torch.optim.AdamW`` (its beta1/beta2/eps); every other algorithm that takes an
-    optimizer: ``torch.optim.SGD`` with its momentum. Raises ``ValueError`` for an algorithm that refuses one.
+    ``allreduce_adam`` and the local-update methods with ``inner_optimizer`` adamw: ``torch.optim.AdamW`` (their
+    beta1/beta2/eps); every other algorithm that takes an optimizer: ``torch.optim.SGD`` with its momentum.
+    Raises ``ValueError`` for an algorithm that refuses one.
     """
     cls = ALGORITHMS[algorithm]
     if not cls.takes_optimizer:
@@ -50,6 +51,6 @@ def app_optimizer(algorithm: str, model: torch.nn.Module, options: dict) -> torc
     defaults = cls.config_class()
     value = {f: options.pop(f, getattr(defaults, f)) for f in cls.builtin_optimizer_fields}
     groups = decay_groups(model, value["weight_decay"])
-    if "beta1" in value:
+    if value.get("inner_optimizer", "adamw" if "beta1" in value else "sgd") == "adamw":
         return torch.optim.AdamW(groups, lr=value["lr"], betas=(value["beta1"], value["beta2"]), eps=value["eps"])
     return torch.optim.SGD(groups, lr=value["lr"], momentum=value["momentum"])

@@ -5,7 +5,8 @@ Douillard et al. "DiLoCo: Distributed Low-Communication Training of Language Mod
 Step t on rank i (H = ``period``; x_g the global copy, the same on every rank; eta = ``outer_lr``,
 mu = ``outer_momentum``)::
 
-    x_i <- InnerOpt(x_i, g_i)                       (torch.optim.SGD from lr/momentum/weight_decay, or yours)
+    x_i <- InnerOpt(x_i, g_i)       (torch.optim.SGD from lr/momentum/weight_decay; inner_optimizer="adamw":
+                                     torch.optim.AdamW from lr/beta1/beta2/eps/weight_decay, the paper's; or yours)
     if (t + 1) mod H == 0:
         Delta_i = x_g - x_i                          (the pseudo-gradient)
         Delta   = (1/n) allreduce_sum(Delta_i)
@@ -31,24 +32,46 @@ from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.periodic import check_period
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "OuterConfig", "OuterLoop", "OuterMomentumConfig"]
+__all__ = ["INNER_OPTIMIZERS", "DiLoCo", "DiLoCoConfig", "OuterConfig", "OuterLoop", "OuterMomentumConfig"]
+
+INNER_OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass(frozen=True)
 class OuterConfig(AlgorithmConfig):
-    """Options of the local-update methods with an outer step; lr, momentum and weight_decay set the inner SGD.
+    """Options of the local-update methods with an outer step; lr, momentum and weight_decay set the inner step.
 
     period: inner steps between two outer steps, H >= 1. outer_lr: step size of the outer SGD on the
-    pseudo-gradient, > 0.
+    pseudo-gradient, > 0. inner_optimizer: the built-in inner step, sgd (torch.optim.SGD with momentum; weight
+    decay as an L2 term) or adamw (torch.optim.AdamW, decoupled weight decay, as in the DiLoCo paper; momentum
+    must stay 0). beta1: AdamW's first-moment decay, in [0, 1) (inner_optimizer adamw only). beta2: AdamW's
+    second-moment decay, in [0, 1) (adamw only). eps: AdamW's epsilon, > 0 (adamw only).
     """
 
     period: int = 10
     outer_lr: float = 0.7
+    inner_optimizer: str = "sgd"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
 
     def __post_init__(self):
         super().__post_init__()
         check_period(self.period)
         check_range("outer_lr", self.outer_lr, lo=0.0, lo_open=True)
+        if self.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ValueError(f"inner_optimizer must be one of {INNER_OPTIMIZERS}, got {self.inner_optimizer!r}")
+        check_range("beta1", self.beta1, lo=0.0, hi=1.0, hi_open=True)
+        check_range("beta2", self.beta2, lo=0.0, hi=1.0, hi_open=True)
+        check_range("eps", self.eps, lo=0.0, lo_open=True)
+        if self.inner_optimizer == "adamw" and self.momentum != 0.0:
+            raise ValueError(f"momentum must be 0 with inner_optimizer 'adamw' (set beta1 instead), got "
+                             f"{self.momentum!r}")
+        if self.inner_optimizer == "sgd":
+            changed = [f for f in ("beta1", "beta2", "eps") if getattr(self, f) != getattr(OuterConfig, f)]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set the AdamW inner step: add inner_optimizer 'adamw' "
+                                 f"(the inner step is SGD)")
 
 
 @dataclass(frozen=True)
@@ -74,11 +97,12 @@ class OuterLoop(Algorithm):
     """
 
     takes_optimizer = True
+    builtin_optimizer_fields = ("lr", "momentum", "weight_decay", "inner_optimizer", "beta1", "beta2", "eps")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.period = self.config.period
-        self.optimizer = self._local_sgd()
+        self.optimizer = self._inner_adamw() if self._adamw else self._local_sgd()
         self.global_params = self.flat.data.detach().clone()
         self.outer_grad = torch.zeros_like(self.global_params)
         param = torch.nn.Parameter(self.global_params, requires_grad=False)
@@ -86,6 +110,22 @@ class OuterLoop(Algorithm):
         mu = float(getattr(self.config, "outer_momentum", 0.0))
         self.outer_optimizer = torch.optim.SGD([param], lr=self.config.outer_lr, momentum=mu,
                                                nesterov=bool(mu and getattr(self.config, "outer_nesterov", False)))
+
+    @property
+    def _adamw(self) -> bool:
+        """Whether the built-in inner step is AdamW (its weight decay is decoupled, not folded into the gradient)."""
+        return self.config.inner_optimizer == "adamw" and not self.user_optimizer
+
+    def _inner_adamw(self) -> torch.optim.AdamW:
+        """``torch.optim.AdamW`` over the flat buffer, from lr, beta1, beta2, eps and weight_decay."""
+        cfg = self.config
+        param = torch.nn.Parameter(self.flat.data, requires_grad=False)
+        param.grad = self.flat.grad
+        return torch.optim.AdamW([param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
+
+    def _decayed(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad if self._adamw else super()._decayed(grad)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
