@@ -16,6 +16,8 @@ dd if=/dev/urandom of="$RUN/munge/munge.key" bs=128 count=1 status=none
 chown munge:munge "$RUN/munge/munge.key"; chmod 400 "$RUN/munge/munge.key"
 # cred_expire=30: a requeued job waits out its credential lifetime before it runs again (120 s by default);
 # the preemption test waits for that rather than releasing the job early, which hit the revoked credential.
+# sched_interval/bf_interval=2: the requeued job starts within 2 s of becoming eligible (the main scheduling
+# pass runs every 60 s by default, and an eligible job waited for it).
 cat > "$RUN/slurm.conf" <<CONF
 ClusterName=mpicomm
 SlurmctldHost=localhost(127.0.0.1)
@@ -39,6 +41,7 @@ SelectTypeParameters=CR_Core
 MpiDefault=pmi2
 ReturnToService=2
 MinJobAge=600
+SchedulerParameters=sched_interval=2,bf_interval=2
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(getconf _NPROCESSORS_ONLN) State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF

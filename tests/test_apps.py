@@ -49,25 +49,37 @@ def _losses(out_dir) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def dpsgd_losses(tmp_path_factory):
-    """The losses of the resnet-dpsgd-2 case run once on this machine (compared with by other tests)."""
-    out = tmp_path_factory.mktemp("dpsgd")
-    ranks, app, args = CASES["resnet-dpsgd-2"]
-    proc = _launch(ranks, app, [*args, "--out-dir", str(out)])
+def run_case(tmp_path_factory):
+    """``run_case(name)`` -> (process, output folder) of the :data:`CASES` job ``name``, run once per module."""
+    done = {}
+
+    def run(case):
+        if case not in done:
+            out = tmp_path_factory.mktemp(case)
+            ranks, app, args = CASES[case]
+            done[case] = (_launch(ranks, app, [*args, "--out-dir", str(out)]), out)
+        return done[case]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def dpsgd_losses(run_case):
+    """The losses of the resnet-dpsgd-2 case run on this machine (compared with by other tests)."""
+    proc, out = run_case("resnet-dpsgd-2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _losses(out)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_training_losses_match_reference(case, tmp_path):
+def test_training_losses_match_reference(case, run_case):
     """The case trains, sends bytes and logs 4 losses equal to the stored curve (first to 1e-5, then 3 %). With
     ``MPICOMM_UPDATE_REFERENCES=1`` it stores this run's curve instead and fails, saying so: a run that
     compared nothing must not pass."""
-    ranks, app, args = CASES[case]
-    proc = _launch(ranks, app, [*args, "--out-dir", str(tmp_path)])
+    proc, out = run_case(case)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_metrics(str(tmp_path / "metrics.jsonl"))
-    losses = _losses(tmp_path)
+    records = read_metrics(str(out / "metrics.jsonl"))
+    losses = _losses(out)
     assert len(losses) == 4
     assert any(r["event"] == "end" and r["bytes_sent"] > 0 for r in records)
     if os.environ.get("MPICOMM_UPDATE_REFERENCES") == "1":

@@ -37,22 +37,27 @@ def _job_text(out_dir: str, save_every: int, extra: str = "") -> str:
     })
 
 
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
 def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "") -> tuple[int, str]:
+    """Submit the job; with ``wait``, return once it has completed (polled twice a second: ``sbatch --wait``
+    polls at 2, 10 and 42 s, so a 12-second job would hold the test for 42)."""
     out_dir = str(tmp_path / name)
     os.makedirs(out_dir)
     job = tmp_path / f"{name}.sbatch"
     job.write_text(_job_text(out_dir, save_every, extra))
-    proc = subprocess.Popen(["sbatch", "--parsable", *(["--wait"] if wait else []), str(job)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        shown = subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
-        pytest.fail(f"sbatch --wait did not return in 240 s; queue:\n{shown}\n" + _diagnose(out_dir))
-    job_id = int(stdout.strip().split(";")[0])
+    proc = subprocess.run(["sbatch", "--parsable", str(job)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job_id = int(proc.stdout.strip().split(";")[0])
     if wait:
-        assert proc.returncode == 0, _diagnose(out_dir, stderr)
+        deadline = time.monotonic() + 240
+        while (state := _job_field(job_id, "JobState")) not in FINISHED:
+            if time.monotonic() > deadline:
+                shown = subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
+                pytest.fail(f"job {job_id} did not finish in 240 s; queue:\n{shown}\n" + _diagnose(out_dir))
+            time.sleep(0.5)
+        assert state == "COMPLETED", f"job {job_id} {state}: " + _diagnose(out_dir, job_id=job_id)
     return job_id, out_dir
 
 
@@ -89,8 +94,15 @@ def _final_params(out_dir: str) -> list:
         return [f[f"ranks/{r:05d}/algorithm/params"][()] for r in range(int(f["meta/world_size"][()]))]
 
 
-def test_template_job_completes_with_metrics_and_checkpoint(tmp_path):
-    job_id, out_dir = _submit(tmp_path, "plain", save_every=6, wait=True)
+@pytest.fixture(scope="module")
+def plain_job(tmp_path_factory):
+    """One uninterrupted job of the template, run once: checked on its own, and the reference the preempted
+    job's parameters must equal."""
+    return _submit(tmp_path_factory.mktemp("slurm"), "plain", save_every=6, wait=True)
+
+
+def test_template_job_completes_with_metrics_and_checkpoint(plain_job):
+    job_id, out_dir = plain_job
     assert _job_field(job_id, "JobState") == "COMPLETED"
     records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
     end = [r for r in records if r["event"] == "end"]
@@ -106,8 +118,8 @@ def test_template_job_completes_with_metrics_and_checkpoint(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path):
-    reference_id, reference_dir = _submit(tmp_path, "reference", save_every=6, wait=True)
+def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, plain_job):
+    reference_id, reference_dir = plain_job
     # A modelled 500 ms latency makes every step last about a second (the maths is unchanged: --net only
     # sleeps), so the signal reliably arrives mid-run however fast this machine is.
     job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False, extra="--net 1gbit,500ms")
