@@ -37,7 +37,7 @@ CASES = {
                                         "--theta", "adaptive"]),
     "resnet-cpdsgdm-4": (4, "train_resnet.py", RESNET + ["--algorithm", "cpdsgdm", "--period", "2"]),
     "bert-apmsqueeze-2": (2, "train_bert.py", BERT + ["--algorithm", "apmsqueeze", "--warmup-steps", "2"]),
-    "bert-allreduce_adam-4": (4, "train_bert.py", BERT + ["--algorithm", "allreduce_adam"]),
+    "bert-allreduce_adam-2": (2, "train_bert.py", BERT + ["--algorithm", "allreduce_adam"]),
 }
 
 
