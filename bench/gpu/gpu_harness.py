@@ -61,7 +61,7 @@ ALGORITHMS = {
     "allreduce_adam": ({"lr": 1e-3}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
-    "sparseloco": ({"period": 2}, False),
+    "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path
     "decentralized_diloco": ({"period": 2}, False),
     "streaming_diloco": ({"period": 4, "fragments": 2, "delay": 1}, False),
 }
