@@ -59,12 +59,22 @@ def initial_flat() -> torch.Tensor:
 
 
 def topologies_for(n: int) -> list:
-    """The test topologies at world size ``n``: ring, exponential, 2x2 torus at n = 4, one-peer at n = 2^k."""
-    out = [topo.ring(n), topo.exponential(n)]
+    """The test topologies at world size ``n``: ring, exponential, 2x2 torus at n = 4, one-peer at n = 2^k, each
+    graph once (at 1 and 2 ranks the ring and the exponential graph are the same graph: the same class, mixing
+    matrix and neighbour lists, so the same run)."""
+    candidates = [topo.ring(n), topo.exponential(n)]
     if n == 4:
-        out.append(topo.torus(4, rows=2))
+        candidates.append(topo.torus(4, rows=2))
     if n & (n - 1) == 0:
-        out.append(topo.one_peer_exponential(n))
+        candidates.append(topo.one_peer_exponential(n))
+    out, seen = [], set()
+    for t in candidates:
+        steps = [t.at(s) for s in range(t.period)]
+        key = (type(t), tuple((torch.tensor(g.W).numpy().tobytes(), tuple(map(g.in_neighbors, range(n))),
+                               tuple(map(g.out_neighbors, range(n)))) for g in steps))
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
     return out
 
 
