@@ -1,7 +1,7 @@
 """The seeds' claims where users run them: full MNIST, 8 to 32 ranks, 1,500 steps, 2 seeds (mean ± half-spread).
 
-    python bench/training/scale.py [--parts decentralized,large,noniid,scaling,centralized,network] [--seeds 0,1]
-                          [--steps 1500] [--methods "D-PSGD,Moniqua default"] [--fresh] [--report]
+    python bench/training/scale.py [--parts decentralized,large,noniid,scaling,centralized,local,network]
+                          [--seeds 0,1] [--steps 1500] [--methods "D-PSGD,Moniqua default"] [--fresh] [--report]
 
 Every case is a real ``mpiexec`` job of ``apps/train_resnet.py --dataset mnist`` (60,000 training images,
 evaluated on the first 2,000 test images every 250 steps and at the end; ResNet-8, the 6n+2 family's
@@ -17,6 +17,10 @@ machine's cores (time per step is therefore not a cluster's: the ``network`` par
   linearly with the ranks (0.1 at 4; 100 warm-up steps): steps to 97 % against the ranks (linear
   speed-up: steps x ranks constant);
 * ``centralized``: HSQ (d=16) against AllReduce-SGD at 8 ranks;
+* ``local``: the local-update methods at 8 ranks, H = 10 inner steps of the app's SGD (momentum 0.9) between
+  syncs, each with its defaults otherwise (DiLoCo's outer Nesterov 0.7/0.9 on an fp32 allreduce, Streaming
+  DiLoCo's 4 fragments at 4 bits, SparseLoCo's 2 % top-k at 2 bits, decentralized DiLoCo's ring gossip),
+  against ``centralized``'s AllReduce-SGD;
 * ``network``: time to 97 % on 16 single-core nodes under ``--net gbit`` and ``--net slow`` for every
   method of ``large``/``decentralized``/``centralized``: the steps to 97 % from the 16-rank (or 8-rank)
   runs, times each method's per-step compute (measured on 2 ranks, one per core) plus its per-step
@@ -60,6 +64,10 @@ METHODS = {
     "TernGrad": ["--algorithm", "terngrad", "--topology", "complete"],
     "AllReduce-Adam": ["--algorithm", "allreduce_adam", "--topology", "complete", "--lr", "0.002", "--momentum", "0"],
     "APMSqueeze": ["--algorithm", "apmsqueeze", "--topology", "complete", "--lr", "0.002", "--momentum", "0"],
+    "DiLoCo H=10": ["--algorithm", "diloco", "--period", "10", "--topology", "complete"],
+    "Streaming DiLoCo H=10": ["--algorithm", "streaming_diloco", "--period", "10", "--topology", "complete"],
+    "SparseLoCo H=10": ["--algorithm", "sparseloco", "--period", "10", "--topology", "complete"],
+    "Decentralized DiLoCo H=10": ["--algorithm", "decentralized_diloco", "--period", "10"],
 }
 DECENTRALIZED = ["D-PSGD", "Moniqua default", "Moniqua adaptive theta", "Moniqua paper 1-bit", "CHOCO qsgd 4-bit",
                  "DCD qsgd 4-bit", "D2"]
@@ -70,6 +78,8 @@ PARTS = {  # part -> [(ranks, topology, extra arguments, methods)]
     "scaling": [(n, "ring", ["--lr", f"{0.1 * n / 4:g}", "--lr-warmup-steps", "100"], ["CPD-SGDM qsgd 4-bit p=4"])
                 for n in (4, 8, 16, 32)],
     "centralized": [(8, "ring", [], ["AllReduce-SGD", "HSQ d=16", "AllReduce-Adam", "APMSqueeze"])],
+    "local": [(8, "ring", [], ["DiLoCo H=10", "Streaming DiLoCo H=10", "SparseLoCo H=10",
+                               "Decentralized DiLoCo H=10"])],
 }
 
 
