@@ -432,10 +432,14 @@ class Algorithm(abc.ABC):
         Weight decay is not passed to torch: :meth:`_decayed` folds it into the gradient at the
         current iterate, so every algorithm applies it at the same point of its update.
         """
+        mu = self.config.momentum if momentum is None else momentum
+        return torch.optim.SGD([self._flat_parameter()], lr=self.lr, momentum=mu)
+
+    def _flat_parameter(self) -> torch.nn.Parameter:
+        """The flat buffer as one parameter whose grad is the flat grad, for a built-in torch optimizer."""
         param = torch.nn.Parameter(self.flat.data, requires_grad=False)
         param.grad = self.flat.grad
-        mu = self.config.momentum if momentum is None else momentum
-        return torch.optim.SGD([param], lr=self.lr, momentum=mu)
+        return param
 
     def _decayed(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad += weight_decay * x`` in place (the L2 term of the local objective); returns ``grad``.

@@ -141,10 +141,11 @@ def settle_app_defaults(args: argparse.Namespace, name: str, argv: list[str]) ->
     for key, value in APP_DEFAULTS.items():
         if key not in fields or "--" + key.replace("_", "-") in typed or getattr(args, key, None) != value:
             continue
-        if _accepts(cls, config_kwargs(args, name)):
+        options = config_kwargs(args, name)
+        if _accepts(cls, options):
             continue
         library = _default(fields[key])
-        if _accepts(cls, {**config_kwargs(args, name), key: library}):
+        if _accepts(cls, {**options, key: library}):
             setattr(args, key, library)
 
 

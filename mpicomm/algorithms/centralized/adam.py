@@ -69,8 +69,7 @@ class AllReduceAdam(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         cfg = self.config
-        self.param = torch.nn.Parameter(self.flat.data, requires_grad=False)
-        self.param.grad = self.flat.grad
+        self.param = self._flat_parameter()
         self.optimizer = torch.optim.AdamW(
             [self.param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )

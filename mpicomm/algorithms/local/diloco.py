@@ -119,9 +119,7 @@ class OuterLoop(Algorithm):
     def _inner_adamw(self) -> torch.optim.AdamW:
         """``torch.optim.AdamW`` over the flat buffer, from lr, beta1, beta2, eps and weight_decay."""
         cfg = self.config
-        param = torch.nn.Parameter(self.flat.data, requires_grad=False)
-        param.grad = self.flat.grad
-        return torch.optim.AdamW([param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        return torch.optim.AdamW([self._flat_parameter()], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
 
     def _decayed(self, grad: torch.Tensor) -> torch.Tensor:
