@@ -35,24 +35,23 @@ tier serial python -m pytest -q "$@"
 # 1 vs many (SAME_AT_ANY_COUNT: resume, devices, user optimizers, examples). 3 ranks, an odd count: the files
 # where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven chunks of the
 # 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums, unequal node
-# layouts, the collectives and the checkpoint of an odd world. The decentralized methods see no new case at 3 (a ring of 3
-# is the complete graph; their mixing matrices are checked for every size in the serial topology tests).
-# Only the files that hold MPI tests are collected: importing every test module on every rank cost ~20 s a
-# tier at 4 ranks. Test files named on the command line replace these lists in every tier.
-mapfile -t MPI_FILES < <(grep -l "mark\.mpi" tests/test_*.py)
-SAME_AT_ANY_COUNT=(tests/test_resume_mpi.py tests/test_loop_optimizer_mpi.py tests/test_device_mpi.py
-                   tests/test_user_optimizer_mpi.py tests/test_examples_mpi.py)
+# layouts, the collectives and the checkpoint of an odd world. The decentralized methods see no new case at
+# 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the serial
+# topology tests). Test files named on the command line replace ODD_COUNT at 3 ranks.
+SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_optimizer_mpi.py
+                   --ignore=tests/test_device_mpi.py --ignore=tests/test_user_optimizer_mpi.py
+                   --ignore=tests/test_examples_mpi.py)
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
            tests/test_net_mpi.py tests/test_choco_sums_mpi.py)
+named=0; for arg in "$@"; do [[ $arg == tests/* ]] && named=1; done
 for n in 1 2 3 4; do
-  files=("${MPI_FILES[@]}")
-  [ "$n" = 1 ] && mapfile -t files < <(printf '%s\n' "${MPI_FILES[@]}" | grep -vxF -f <(printf '%s\n' "${SAME_AT_ANY_COUNT[@]}"))
-  [ "$n" = 3 ] && files=("${ODD_COUNT[@]}")
-  for arg in "$@"; do [[ $arg == tests/* ]] && files=(); done
+  only=()
+  [ "$n" = 1 ] && only=("${SAME_AT_ANY_COUNT[@]}")
+  [ "$n" = 3 ] && [ "$named" = 0 ] && only=("${ODD_COUNT[@]}")
   tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" \
-    mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${files[@]}" "$@"
+    mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
 done
 tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
 if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
