@@ -51,14 +51,25 @@ def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "") -
     assert proc.returncode == 0, proc.stderr
     job_id = int(proc.stdout.strip().split(";")[0])
     if wait:
-        deadline = time.monotonic() + 240
-        while (state := _job_field(job_id, "JobState")) not in FINISHED:
-            if time.monotonic() > deadline:
-                shown = subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
-                pytest.fail(f"job {job_id} did not finish in 240 s; queue:\n{shown}\n" + _diagnose(out_dir))
-            time.sleep(0.5)
+        if not _poll(lambda: _job_field(job_id, "JobState") in FINISHED, 240):
+            pytest.fail(f"job {job_id} did not finish in 240 s; queue:\n{_queue()}\n" + _diagnose(out_dir))
+        state = _job_field(job_id, "JobState")
         assert state == "COMPLETED", f"job {job_id} {state}: " + _diagnose(out_dir, job_id=job_id)
     return job_id, out_dir
+
+
+def _poll(condition, seconds: float, every: float = 0.5) -> bool:
+    """Whether ``condition()`` came true, asked every ``every`` s for at most ``seconds`` (a hang bound only)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
+def _queue() -> str:
+    return subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
 
 
 def _job_field(job_id: int, field: str) -> str:
@@ -124,25 +135,22 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, plain_
     # sleeps), so the signal reliably arrives mid-run however fast this machine is.
     job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False, extra="--net 1gbit,500ms")
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # wait until training is under way (handlers installed)
-        if os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3 for r in read_metrics(metrics)):
-            break
-        time.sleep(0.5)
-    else:
-        queue = subprocess.run(["squeue", "-o", "%i %T %r"], capture_output=True, text=True).stdout
-        pytest.fail(f"the job never reached step 3; queue:\n{queue}\n" + _diagnose(out_dir))
-    deadline = time.monotonic() + 300
+
+    def under_way():  # training has begun, so the stop handlers are installed
+        return os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3
+                                               for r in read_metrics(metrics))
+
+    def finished():
+        return _job_field(job_id, "JobState") == "COMPLETED" and any(
+            r.get("event") == "end" and r["step"] == STEPS for r in read_metrics(metrics))
+
+    if not _poll(under_way, 240):
+        pytest.fail(f"the job never reached step 3; queue:\n{_queue()}\n" + _diagnose(out_dir))
     subprocess.run(["scancel", "--signal=USR1", str(job_id)], check=True)
     # Slurm holds a requeued job for its credential lifetime (Reason=BeginTime; AuthInfo cred_expire, 120 s by
     # default, 30 s in scripts/slurm_local.sh). Releasing it sooner by hand (StartTime=now) raced the revoked
     # credential of its first run: "Killing non-startable batch job: Job credential revoked", job FAILED.
-    while time.monotonic() < deadline:
-        if _job_field(job_id, "JobState") == "COMPLETED" and any(r.get("event") == "end" and r["step"] == STEPS
-                                                                 for r in read_metrics(metrics)):
-            break
-        time.sleep(1)
-    else:
+    if not _poll(finished, 300, every=1):
         pytest.fail(f"job state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir, job_id=job_id))
     records = read_metrics(metrics)
     stopped = [r for r in records if r.get("event") == "stopped"]
