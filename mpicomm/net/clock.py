@@ -57,7 +57,8 @@ class NetClock(Pausable):
         """Wait until ``deadline``; book ``deadline - now`` as slept (``now`` is when the wait began).
 
         Booking from the same ``now`` the deadline was computed against makes ``slept_s`` of a blocking
-        call exactly its modelled cost, however late this process is scheduled.
+        call its modelled cost (to the float resolution of the clock's reading), however late this process
+        is scheduled.
         """
         left = deadline - now
         if left > 0:
