@@ -1,6 +1,7 @@
 """Two-level centralized exchange over emulated nodes (``ranks_per_node``): the layout, AllReduce-SGD against
 flat and a float64 reference, EF-SignSGD's two-level step against a float64 reference step by step, the
-Ledger and the modelled clock per link class, N + N == 2N resume, and the refusal of unequal nodes.
+Ledger and the modelled clock per link class, N + N == 2N resume (D-PSGD's two-level gossip too), and the
+refusal of unequal nodes.
 
 Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1, 1 as one node of one
 (where auto leaves the hierarchy off). The unequal-nodes refusal needs 3 ranks or more.
@@ -180,7 +181,12 @@ def _run(comm, name, k, out_dir, **cfg):
     return algo, summary
 
 
-@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd"])
+def two_levels(algo):
+    """The algorithm's two-level exchange: the centralized ``two_level`` or the gossip's ``node_gossip``."""
+    return getattr(algo, "two_level", None) or getattr(algo, "node_gossip", None)
+
+
+@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "dpsgd"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 
@@ -190,7 +196,7 @@ def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
         _, first = _run(comm, name, k, f"{root}/split", stop_at_step=4)
         assert first["step"] == 4 and first["stopped_by_signal"]
         resumed, last = _run(comm, name, k, f"{root}/split", resume="latest")
-        assert last["step"] == 8 and resumed.two_level is not None
+        assert last["step"] == 8 and two_levels(resumed) is not None
         assert torch.equal(resumed.flat.data, straight.flat.data), float((resumed.flat.data - straight.flat.data)
                                                                          .abs().max())
         for key in ("bytes_sent", "bytes_sent_intra", "bytes_sent_inter"):
@@ -207,14 +213,15 @@ def test_unequal_nodes_are_refused_with_one_line_on_every_rank(comm, monkeypatch
 
     def three_ranks():
         messages = []
-        for how in ("argument", "environment"):
+        for how, name in (("argument", "allreduce_sgd"), ("environment", "allreduce_sgd"), ("argument", "dpsgd")):
             if how == "environment":
                 monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
                 c = Communicator(sub, topo.ring(3))
             else:
+                monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
                 c = Communicator(sub, topo.ring(3), ranks_per_node=2)
             try:
-                make_algorithm("allreduce_sgd", make_model(), c, lr=0.1)
+                make_algorithm(name, make_model(), c, lr=0.1)
                 messages.append("no error")
             except ValueError as exc:
                 messages.append(str(exc))

@@ -35,6 +35,7 @@ from mpicomm.training.precision import Precision  # noqa: E402
 ALGORITHMS = {
     "dpsgd": ({"momentum": 0.9}, False),
     "dpsgd_overlap": ({"momentum": 0.9, "overlap": True}, False),
+    "dpsgd_hier": ({"momentum": 0.9, "hierarchical": True}, False),  # node average, then gossip between nodes
     "moniqua": ({"bits": 8}, False),
     "moniqua_overlap": ({"bits": 8, "overlap": True}, False),
     "moniqua_1bit": ({"bits": 1}, False),

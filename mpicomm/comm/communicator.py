@@ -113,6 +113,11 @@ class Communicator:
         self._layout: NodeLayout | None = None
         self._recv: dict[tuple, torch.Tensor] = {}
         self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
+        self._adopt(topology)
+
+    def _adopt(self, topology) -> None:
+        """Collective: one distributed-graph communicator per distinct topology of ``topology``'s schedule."""
+        self.schedule = topology
         self._graphs: list = []
         self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         by_topology: dict = {}
@@ -120,7 +125,7 @@ class Communicator:
             topo = topology.at(step)
             sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
             if topo not in by_topology:
-                by_topology[topo] = comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
+                by_topology[topo] = self.comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
             self._graphs.append((topo, by_topology[topo]))
             self._neighbors.append((sources, dests))
 
@@ -136,6 +141,19 @@ class Communicator:
         child._peer_ranks = tuple(self._peer(p) for p in peer_ranks)
         child.ranks_per_node, child._layout = None, None
         child._recv, child._recv_specs, child._graphs, child._neighbors = {}, {}, [], []
+        return child
+
+    def on_graph(self, topology) -> Communicator:
+        """Collective: a Communicator over the same ranks and link class whose neighbour collectives follow
+        ``topology`` (one vertex per rank of this Communicator), booked as this one's ranks in its Ledger.
+
+        The two-level gossip runs on a graph of nodes this way: ``nodes.cross.on_graph(ring(n_nodes))``.
+        """
+        if topology.size != self.size:
+            raise ValueError(f"topology {topology.name!r} has {topology.size} vertices but this communicator has "
+                             f"{self.size} ranks")
+        child = self._child(self.comm, self.link, tuple(range(self.size)))
+        child._adopt(topology)
         return child
 
     def node_layout(self, *, require_equal: bool = True) -> NodeLayout:
@@ -229,7 +247,8 @@ class Communicator:
         else:
             self._check_out(out, shape, send, "neighbor_allgather")
         nbytes = send.numel() * send.element_size()
-        self.ledger.record_uniform("neighbor_allgather", nbytes, dests, sources, link=self.link)
+        self.ledger.record_uniform("neighbor_allgather", nbytes, tuple(map(self._peer, dests)),
+                                   tuple(map(self._peer, sources)), link=self.link)
 
         def specs(sbuf, rbuf):
             return as_bytes(sbuf), self._recv_spec(key, out, rbuf)

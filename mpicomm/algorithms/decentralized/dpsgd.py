@@ -23,7 +23,21 @@ compressed decentralized algorithm reduces to with the identity codec.
 before the forward pass and ``step()`` waits for it, mixes and steps: the same sums in the same order as
 the blocking step, so bit for bit the same parameters; the transfer is hidden behind forward and backward.
 Without a ``begin_step()`` the step exchanges blocking, as with ``overlap=False``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`)
+mixes in two levels: the exact average of the node, then one gossip round between nodes on the graph of
+nodes (``node_topology``, by default the run's topology kind over the nodes), each local rank carrying its
+shard of the model::
+
+    x_i <- sum_b W_nodes[a(i), b] (1/L sum_{j on node b} x_j) - alpha * g_i
+
+that is D-PSGD with the mixing matrix ``W = W_nodes ⊗ (1/L) 1 1ᵀ``, doubly stochastic when ``W_nodes`` is and
+with the same second eigenvalue, so Lian et al.'s analysis holds with the spectral gap of the graph of
+``N`` nodes instead of that of ``N L`` ranks (BlueFog's ``hierarchical_neighbor_allreduce``; Ying et al.,
+"BlueFog: Make decentralized algorithms practical for optimization and deep learning", 2021). Per step a
+rank sends ``(L - 1)/L`` of the model twice inside the node and its ``1/L`` shard to each neighbouring node.
 """
+
 
 from __future__ import annotations
 
@@ -31,15 +45,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import Algorithm, GossipOverlapConfig, clone_optimizer_state
+from ..base import Algorithm, clone_optimizer_state
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import GossipTwoLevelConfig, node_gossip_for
 
 __all__ = ["DPSGD", "DPSGDConfig"]
 
 
 @dataclass(frozen=True)
-class DPSGDConfig(GossipOverlapConfig):
-    """D-PSGD options: those of every algorithm, and overlap."""
+class DPSGDConfig(GossipTwoLevelConfig):
+    """D-PSGD options: those of every algorithm, overlap, hierarchical and node_topology."""
 
 
 class DPSGD(Algorithm):
@@ -53,6 +68,7 @@ class DPSGD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
+        self.node_gossip = node_gossip_for(self.config, self.comm, self.flat.numel, self.flat.data)
 
     def _begin_exchange(self):
         if not self.config.overlap:
@@ -63,6 +79,10 @@ class DPSGD(Algorithm):
         self._decayed(grad)
         update = self._user_update()
         x = self.flat.data
+        if self.node_gossip is not None:
+            self.node_gossip.mix(x, self.step_count)
+            self._apply_update(update)
+            return
         topo = self.comm.topology(self.step_count)
         pending = self._take_pending()
         received = self.comm.neighbor_allgather(x, step=self.step_count) if pending is None else pending.wait()

@@ -17,6 +17,13 @@ system with mixed-precision", 2018). What it means for convergence is in ``docs/
 more than one rank on each and every node holds as many ranks (otherwise flat, bit for bit as before);
 ``True`` runs them whatever the layout (one node or one rank per node included; unequal nodes refused
 with one line on every rank); ``False`` never. Not with ``overlap`` (auto picks flat; on is refused).
+
+Two-level gossip (:class:`NodeGossip`, for D-PSGD): the node's exact average, then one gossip round between
+nodes on the graph of nodes ``W_nodes`` (ring, exponential, ... over node ids), each local rank carrying its
+shard, as BlueFog's ``hierarchical_neighbor_allreduce``. With ranks ordered by node its mixing matrix is
+``W = W_nodes ⊗ (1/L) 1 1ᵀ``: symmetric and doubly stochastic when ``W_nodes`` is, with the eigenvalues of
+``W_nodes`` and zeros, so the second largest ``|λ|`` of ``W`` is that of ``W_nodes`` -- the consensus runs
+over ``N`` nodes instead of ``N L`` ranks.
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import topology as topologies
 from ...comm import Communicator
+from ..base import GossipOverlapConfig
 from .buckets import OverlapConfig
+from .gossip import gossip_average
 
-__all__ = ["TwoLevel", "TwoLevelConfig", "two_level_for"]
+__all__ = ["GossipTwoLevelConfig", "NodeGossip", "TwoLevel", "TwoLevelConfig", "node_gossip_for", "node_topology_for",
+           "two_level_for"]
 
 _WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
@@ -43,16 +54,39 @@ class TwoLevelConfig(OverlapConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        value = self.hierarchical
-        if isinstance(value, str):
-            if value.strip().lower() not in _WORDS:
-                raise ValueError(f"hierarchical must be auto, on or off, got {value!r}")
-            object.__setattr__(self, "hierarchical", _WORDS[value.strip().lower()])
-        elif value is not None and not isinstance(value, bool):
-            raise TypeError(f"hierarchical must be a bool, None (auto) or auto/on/off, got {value!r}")
-        if self.hierarchical and self.overlap:
-            raise ValueError("hierarchical cannot be combined with overlap: the two-level exchange runs after "
-                             "backward on the whole gradient; set one of them off")
+        _settle_hierarchical(self, "the two-level exchange runs after backward on the whole gradient")
+
+
+def _settle_hierarchical(config, why_not_overlap: str) -> None:
+    """Turn ``config.hierarchical`` given as auto/on/off into None/True/False; refuse it on with overlap."""
+    value = config.hierarchical
+    if isinstance(value, str):
+        if value.strip().lower() not in _WORDS:
+            raise ValueError(f"hierarchical must be auto, on or off, got {value!r}")
+        object.__setattr__(config, "hierarchical", _WORDS[value.strip().lower()])
+    elif value is not None and not isinstance(value, bool):
+        raise TypeError(f"hierarchical must be a bool, None (auto) or auto/on/off, got {value!r}")
+    if config.hierarchical and config.overlap:
+        raise ValueError(f"hierarchical cannot be combined with overlap: {why_not_overlap}; set one of them off")
+
+
+@dataclass(frozen=True)
+class GossipTwoLevelConfig(GossipOverlapConfig):
+    """hierarchical: gossip in two levels, the node's exact average and then one gossip round between nodes on
+    each local rank's shard (auto: on when the run spans more than one node with more than one rank on each;
+    on; off). Not with overlap. node_topology: the graph of nodes (a topology name such as ring or exponential;
+    default: the run's topology kind over the nodes)."""
+
+    hierarchical: bool | None = None
+    node_topology: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _settle_hierarchical(self, "the node average needs the whole model before the gossip between nodes")
+        name = self.node_topology
+        if name is not None and (not isinstance(name, str) or name not in topologies.TOPOLOGIES):
+            raise ValueError(f"node_topology must be one of {', '.join(sorted(topologies.TOPOLOGIES))}, "
+                             f"got {name!r}")
 
 
 class TwoLevel:
@@ -90,3 +124,52 @@ def two_level_for(config: TwoLevelConfig, comm: Communicator, numel: int, like: 
     if config.hierarchical is None and not layout.two_level:
         return None
     return TwoLevel(comm, numel, like)
+
+
+class NodeGossip:
+    """Two-level gossip: ``x`` replaced by one gossip round over the graph of nodes of its node's average.
+
+    Per call, on this rank's shard ``[lo, hi)``: ``s = (1/L) sum_{i on node} x_i[lo:hi]`` (reduce-scatter
+    inside the node), ``s <- W_nodes[a, a] s + sum_b W_nodes[a, b] s_b`` (neighbour allgather between the
+    ranks of this local rank on the neighbouring nodes), then every shard back into ``x`` (allgather inside
+    the node). ``node_topology``: the graph of nodes, one vertex per node.
+    """
+
+    def __init__(self, comm: Communicator, numel: int, like: torch.Tensor, node_topology):
+        self.levels = TwoLevel(comm, numel, like)
+        layout = self.levels.layout
+        self.graph = layout.cross.on_graph(node_topology)
+        self.node, self.ranks_per_node = layout.node_index, layout.local_size
+
+    def mix(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Collective: ``x <- (W_nodes ⊗ (1/L) 1 1ᵀ) x`` in place (this rank's row); returns ``x``."""
+        shard = self.levels.reduce(x).div_(self.ranks_per_node)
+        topo = self.graph.topology(step)
+        received = self.graph.neighbor_allgather(shard, step=step)
+        gossip_average(shard, received, topo.self_weight(self.node), topo.neighbor_weights(self.node))
+        return self.levels.spread(x, shard)
+
+
+def node_topology_for(config: GossipTwoLevelConfig, schedule, n_nodes: int):
+    """The graph of ``n_nodes`` nodes ``config`` asks for: ``node_topology``, else the kind of ``schedule``."""
+    name = config.node_topology
+    if name is None:
+        name = schedule.name.split("(")[0]
+        if name not in topologies.TOPOLOGIES:
+            raise ValueError(f"the run's topology {schedule.name} has no form over nodes: set node_topology to one "
+                             f"of {', '.join(sorted(topologies.TOPOLOGIES))}")
+    try:
+        return topologies.build(name, n_nodes)
+    except ValueError as exc:
+        raise ValueError(f"node_topology {name} over {n_nodes} nodes: {exc}") from None
+
+
+def node_gossip_for(config: GossipTwoLevelConfig, comm: Communicator, numel: int,
+                    like: torch.Tensor) -> NodeGossip | None:
+    """Collective unless ``hierarchical`` is off: the :class:`NodeGossip` ``config`` asks for, or None (flat)."""
+    if config.hierarchical is False or (config.hierarchical is None and config.overlap):
+        return None
+    layout = comm.node_layout(require_equal=config.hierarchical is True)
+    if config.hierarchical is None and not layout.two_level:
+        return None
+    return NodeGossip(comm, numel, like, node_topology_for(config, comm.schedule, layout.n_nodes))

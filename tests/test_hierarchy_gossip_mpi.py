@@ -1,0 +1,127 @@
+"""Two-level gossip (D-PSGD ``hierarchical``) over emulated nodes: a float64 reference of the mixing matrix
+``W_nodes ⊗ (1/L) 1 1ᵀ`` step by step, the flat D-PSGD on that matrix, one rank per node bit for bit the flat
+run, the Ledger and the modelled clock per link class, and the refusals.
+
+Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mpicomm import topology as topo
+from mpicomm.algorithms import make_algorithm
+from mpicomm.net import CostModel, parse_net
+
+from .algo_common import grad_at, make_model, train
+from .conftest import run_all
+from .test_hierarchy_mpi import NET, close, communicator, node_sizes
+
+pytestmark = pytest.mark.mpi
+
+OPTIONS = {"lr": 0.1, "weight_decay": 1e-2}
+
+
+def two_level_matrix(node_graph, k: int) -> np.ndarray:
+    """``W_nodes ⊗ (1/k) 1 1ᵀ``: the mixing matrix of one two-level round, ranks ordered by node."""
+    return np.kron(node_graph.W, np.full((k, k), 1.0 / k))
+
+
+@pytest.mark.parametrize("kind", ["ring", "exponential"])
+def test_two_level_dpsgd_matches_float64_reference_step_by_step(comm, kind):
+    """x_i <- sum_j W[i, j] x_j - lr (g_i(x_i) + wd x_i) with W the two-level matrix, in float64 from the ranks'
+    float32 iterates, at every node size; every rank of a node leaves the mixing with the same model."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        for k in node_sizes(n):
+            algo = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                  node_topology=kind, **OPTIONS)
+            assert algo.node_gossip is not None
+            W = torch.from_numpy(two_level_matrix(topo.build(kind, n // k), k))
+            assert np.allclose(W.sum(0), 1) and np.allclose(W.sum(1), 1)
+            for t in range(4):
+                xs = torch.stack([x.double() for x in comm.allgather(algo.flat.data.clone())])
+                g = grad_at(algo.flat.data.clone(), rank, t).double() + OPTIONS["weight_decay"] * xs[rank]
+                expected = W[rank] @ xs - OPTIONS["lr"] * g
+                train(algo, 1)
+                assert close(algo.flat.data, expected), (k, t, float((algo.flat.data.double() - expected).norm()))
+
+    run_all(comm, body)
+
+
+def test_two_level_equals_flat_dpsgd_on_its_matrix_and_one_rank_per_node_is_flat(comm):
+    """The two-level run equals flat D-PSGD on the topology of W_nodes ⊗ (1/L) 1 1ᵀ to float32 summation order;
+    with one rank per node it is the flat run on the same graph bit for bit, and auto leaves that layout flat."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        flat = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), hierarchical=False, **OPTIONS)
+        auto_one = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), **OPTIONS)
+        forced_one = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), hierarchical=True,
+                                    **OPTIONS)
+        assert flat.node_gossip is None and auto_one.node_gossip is None and forced_one.node_gossip is not None
+        for algo in (flat, auto_one, forced_one):
+            train(algo, 5)
+        assert torch.equal(auto_one.flat.data, flat.flat.data) and torch.equal(forced_one.flat.data, flat.flat.data)
+        for k in node_sizes(n)[1:]:
+            auto = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), **OPTIONS)
+            assert (auto.node_gossip is not None) == (n // k > 1), k
+            forced = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                    **OPTIONS)
+            matrix = topo.from_matrix(two_level_matrix(topo.ring(n // k), k), name="two-level")
+            same_maths = make_algorithm("dpsgd", make_model(seed=rank), type(flat.comm)(comm, matrix),
+                                        hierarchical=False, **OPTIONS)
+            train(forced, 5)
+            train(same_maths, 5)
+            torch.testing.assert_close(forced.flat.data, same_maths.flat.data, rtol=1e-5, atol=1e-7)
+            if not np.allclose(matrix.W, topo.ring(n).W):  # another mixing matrix than the flat ring's
+                assert not torch.allclose(forced.flat.data, flat.flat.data, rtol=1e-4), k
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("kind", ["ring", "exponential"])
+def test_ledger_and_clock_per_link_class(comm, kind):
+    """One step books (L - 1)/L of the model twice inside the node and the 1/L shard to each neighbouring node;
+    its modelled time is reduce-scatter + neighbour exchange between nodes + allgather."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        model = CostModel(parse_net(NET))
+        intra, inter = model.on("intra"), model.on("inter")
+        for k in node_sizes(n):
+            c = communicator(comm, k, net=NET)
+            algo = make_algorithm("dpsgd", make_model(), c, hierarchical=True, node_topology=kind, lr=0.1)
+            train(algo, 1)
+            modelled = c.clock.modelled_s
+            train(algo, 1)
+            stats, d = algo.stats(), algo.flat.numel
+            counts = algo.node_gossip.levels.counts
+            mine = counts[rank % k]
+            graph = topo.build(kind, n // k)
+            k_out, k_in = len(graph.out_neighbors(rank // k)), len(graph.in_neighbors(rank // k))
+            assert stats["step_bytes_sent_intra"] == 4 * (d - mine) + 4 * (k - 1) * mine, (k, stats)
+            assert stats["step_bytes_sent_inter"] == 4 * mine * k_out, (k, stats)
+            expected = (intra.reduce_scatter(4 * d, k) + inter.neighbor(4 * mine * k_out, 4 * mine * k_in)
+                        + intra.allgatherv(4 * max(counts), k))
+            assert c.clock.modelled_s - modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
+            sent_to = {peer for (_, peer), nbytes in c.ledger.sent.items() if nbytes}
+            node_peers = {b * k + rank % k for b in graph.out_neighbors(rank // k)}
+            members = set(range(rank - rank % k, rank - rank % k + k)) - {rank}
+            assert sent_to == node_peers | members, (k, sent_to)  # booked as the world's ranks
+
+    run_all(comm, body)
+
+
+def test_bad_settings_are_refused(comm):
+    def body():
+        n = comm.Get_size()
+        with pytest.raises(ValueError, match="overlap"):
+            make_algorithm("dpsgd", make_model(), communicator(comm, 1), hierarchical=True, overlap=True)
+        with pytest.raises(ValueError, match="node_topology must be one of"):
+            make_algorithm("dpsgd", make_model(), communicator(comm, 1), hierarchical=True, node_topology="mesh")
+        custom = type(communicator(comm, 1))(comm, topo.from_matrix(topo.ring(n).W, name="custom"), ranks_per_node=1)
+        with pytest.raises(ValueError, match="has no form over nodes: set node_topology"):
+            make_algorithm("dpsgd", make_model(), custom, hierarchical=True)
+        auto = make_algorithm("dpsgd", make_model(), communicator(comm, 1), hierarchical="auto", overlap=True)
+        assert auto.node_gossip is None and auto.config.hierarchical is None
+
+    run_all(comm, body)
