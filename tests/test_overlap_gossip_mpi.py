@@ -31,10 +31,13 @@ METHODS = {
     "moniqua-identity": {"bits": 32, "parts": 1, "gamma": 0.5},
     "choco": {"order": "cta", "codec": "randomk", "codec_options": {"ratio": 0.25}, "momentum": 0.9},  # a generator
     "choco-lossless": {"order": "cta", "codec": "identity", "gamma": 0.5},
+    "pdsgdm": {"order": "cta", "period": 2, "momentum": 0.9},  # gossip at steps 1, 3
+    "cpdsgdm": {"order": "cta", "period": 3, "codec": "randomk", "codec_options": {"ratio": 0.25}},  # step 2
 }
-# how many of STEPS steps post their exchange early (Moniqua's observed theta needs step 0's gradient)
 STEPS = 4
-EARLY = {"moniqua": STEPS - 1}
+# the steps of STEPS that post their exchange early: every one, but Moniqua's first (its observed theta needs
+# step 0's gradient) and the periodic methods' local-only steps
+POSTED = {"moniqua": [1, 2, 3], "pdsgdm": [1, 3], "cpdsgdm": [2]}
 
 
 def _schedules(n):
@@ -120,8 +123,7 @@ def test_overlapped_step_is_the_blocking_step_bit_for_bit(comm, case):
             differ = _same(_state(overlapped), _state(blocking))
             assert not differ, (where, differ)
             assert overlapped.stats()["step_bytes_sent"] == blocking.stats()["step_bytes_sent"], where
-            early = EARLY.get(case, STEPS)
-            assert posts == list(range(STEPS - early, STEPS)), (where, posts)
+            assert posts == POSTED.get(case, list(range(STEPS))), (where, posts)
 
     run_all(comm, body)
 
@@ -194,10 +196,13 @@ def test_no_state_while_in_flight(comm):
     run_all(comm, body)
 
 
-def test_choco_atc_refuses_overlap(comm):
+def test_gradient_dependent_messages_refuse_overlap(comm):
     def body():
         with pytest.raises(ValueError, match="overlap=True needs order='cta'"):
             _build(comm, "choco", _schedules(comm.Get_size())[0], overlap=True, order="atc")
+        for refused in ({"order": "atc"}, {"average_momentum": True}):
+            with pytest.raises(ValueError, match="overlap=True needs order='cta' and average_momentum=False"):
+                _build(comm, "pdsgdm", _schedules(comm.Get_size())[0], overlap=True, **refused)
 
     run_all(comm, body)
 
@@ -237,7 +242,7 @@ def _run(comm, case, overlap, out_dir, steps, net=None, compute=None, clock=None
     return algo, run_training(task, algo, config)
 
 
-@pytest.mark.parametrize("case", ["dpsgd", "moniqua", "choco"])
+@pytest.mark.parametrize("case", ["dpsgd", "moniqua", "choco", "pdsgdm", "cpdsgdm"])
 def test_resume_overlapped_is_bit_exact(comm, case, tmp_path_factory):
     """N + N overlapped steps through the real checkpoint (accumulating 2 micro-batches) == 2N blocking ones."""
     root = comm.bcast(str(tmp_path_factory.mktemp("overlap")) if comm.Get_rank() == 0 else None)

@@ -46,6 +46,8 @@ ALGORITHMS = {
     "dcd": ({"codec": "sign"}, False),
     "pdsgdm": ({"period": 2, "momentum": 0.9}, False),
     "cpdsgdm": ({"period": 2, "codec": "sign"}, False),
+    "pdsgdm_overlap": ({"period": 2, "momentum": 0.9, "order": "cta", "overlap": True}, False),
+    "cpdsgdm_overlap": ({"period": 2, "codec": "sign", "order": "cta", "overlap": True}, False),
     "adpsgd": ({"momentum": 0.9}, True),  # asynchronous (ASYNCHRONOUS below)
     "moniqua_adpsgd": ({"momentum": 0.9}, True),
     "allreduce_sgd": ({"momentum": 0.9}, False),

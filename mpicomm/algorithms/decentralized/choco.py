@@ -99,9 +99,10 @@ class CHOCO(PeriodicGossip):
         self.gossip = SumGossip(comm, codec, self.flat.data, "model" if self.config.broadcast_init else "zeros")
 
     def _begin_exchange(self):
-        if not self.config.overlap:
+        round_index = self._round_at(self.step_count)
+        if not self.config.overlap or round_index is None:
             return None
-        return begin_choco_consensus(self.flat.data, self.gossip, self.step_count)
+        return begin_choco_consensus(self.flat.data, self.gossip, round_index)
 
     def _gossip(self, round_index: int) -> None:
         choco_consensus(self.flat.data, self.gossip, round_index, self.config.gamma, self._take_pending())

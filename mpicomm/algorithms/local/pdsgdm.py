@@ -14,6 +14,12 @@ Step t on rank i (mu = ``momentum``, p = ``period``, r = (t + 1) / p - 1 the rou
 Traffic on a communication step: PD-SGDM 4d bytes (8d with average_momentum), CPD-SGDM
 ``codec.payload_bytes(d)``, to each out-neighbour; nothing otherwise. PD-SGDM(period=1, momentum=0,
 order="cta") is ``dpsgd`` bit for bit. Defaults and reductions: ``docs/algorithms/decentralized.md``.
+
+``overlap=True`` (with ``order="cta"``): a communication step's message is x(t) (CPD-SGDM: C(x(t) - x̂)),
+known before the gradient, so ``begin_step()`` posts it before the forward pass and ``step()`` completes
+the round -- bit for bit the blocking step; local-only steps post nothing. With ``order="atc"`` the
+message holds this step's gradient, and with ``average_momentum`` the momentum buffer updated by it, so
+both refuse ``overlap``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base import check_bool
 from ..decentralized.choco import CHOCO, ChocoConfig
 from ..shared.gossip import gossip_average
 from ..shared.periodic import OrderConfig, PeriodicGossip, check_period
@@ -34,12 +41,14 @@ class PDSGDMConfig(OrderConfig):
     """PD-SGDM options (momentum mu in [0, 1) defaults to 0.9).
 
     period: local steps between two gossip rounds, p >= 1. average_momentum: gossip the momentum buffers
-    too.
+    too. overlap: with order="cta", post a communication step's exchange of x(t) in begin_step(), before the
+    forward pass, and finish the round in step() (bit for bit the blocking step).
     """
 
     momentum: float = 0.9
     period: int = 4
     average_momentum: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,6 +57,10 @@ class PDSGDMConfig(OrderConfig):
             raise ValueError(f"average_momentum must be a bool, got {self.average_momentum!r}")
         if self.average_momentum and self.momentum == 0:
             raise ValueError("average_momentum=True needs momentum > 0 (there is no momentum buffer to average)")
+        check_bool("overlap", self.overlap)
+        if self.overlap and (self.order != "cta" or self.average_momentum):
+            raise ValueError("overlap=True needs order='cta' and average_momentum=False: otherwise the message "
+                             "holds this step's gradient, so it cannot leave before the backward pass")
 
 
 class PDSGDM(PeriodicGossip):
@@ -70,12 +83,20 @@ class PDSGDM(PeriodicGossip):
     def _momentum_buffer(self) -> torch.Tensor:
         return self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["momentum_buffer"]
 
+    def _begin_exchange(self):
+        round_index = self._round_at(self.step_count)
+        if not self.config.overlap or round_index is None:
+            return None
+        return self.comm.ineighbor_allgather(self.flat.data, step=round_index)
+
     def _gossip(self, round_index: int) -> None:
         x, rank = self.flat.data, self.comm.rank
         topo = self.comm.topology(round_index)
         self_weight, weights = topo.self_weight(rank), topo.neighbor_weights(rank)
         if not self.config.average_momentum:
-            gossip_average(x, self.comm.neighbor_allgather(x, step=round_index), self_weight, weights)
+            pending = self._take_pending()
+            received = self.comm.neighbor_allgather(x, step=round_index) if pending is None else pending.wait()
+            gossip_average(x, received, self_weight, weights)
             return
         buf = self._momentum_buffer()
         received = self.comm.neighbor_allgather(torch.stack((x, buf)), step=round_index)

@@ -63,14 +63,18 @@ class PeriodicGossip(Algorithm):
         self.period = int(getattr(self.config, "period", 1))
         self.optimizer = self._local_sgd()
 
+    def _round_at(self, step: int) -> int | None:
+        """The gossip round step ``step`` ends with (``(step + 1) / p - 1``), or None for a local step only."""
+        return (step + 1) // self.period - 1 if (step + 1) % self.period == 0 else None
+
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
-        t, adapt_first = self.step_count, self.config.order == "atc"
+        round_index, adapt_first = self._round_at(self.step_count), self.config.order == "atc"
         if adapt_first:
             self._local_step()
         update = None if adapt_first else self._user_update()
-        if (t + 1) % self.period == 0:
-            self._gossip((t + 1) // self.period - 1)
+        if round_index is not None:
+            self._gossip(round_index)
         if not adapt_first:
             self._apply_update(update)
 
