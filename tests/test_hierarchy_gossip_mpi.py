@@ -1,6 +1,7 @@
-"""Two-level gossip (D-PSGD ``hierarchical``) over emulated nodes: a float64 reference of the mixing matrix
-``W_nodes ⊗ (1/L) 1 1ᵀ`` step by step, the flat D-PSGD on that matrix, one rank per node bit for bit the flat
-run, the Ledger and the modelled clock per link class, and the refusals.
+"""Two-level gossip (``hierarchical`` on D-PSGD, D² and PD-SGDM) over emulated nodes: a float64 reference of
+D-PSGD with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ`` step by step, each method against its flat self on
+that matrix, one rank per node bit for bit the flat run, the Ledger and the modelled clock per link class,
+and the refusals.
 
 Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1.
 """
@@ -49,27 +50,37 @@ def test_two_level_dpsgd_matches_float64_reference_step_by_step(comm, kind):
     run_all(comm, body)
 
 
-def test_two_level_equals_flat_dpsgd_on_its_matrix_and_one_rank_per_node_is_flat(comm):
-    """The two-level run equals flat D-PSGD on the topology of W_nodes ⊗ (1/L) 1 1ᵀ to float32 summation order;
-    with one rank per node it is the flat run on the same graph bit for bit, and auto leaves that layout flat."""
+# every method with the two-level gossip, with options that reach its paths (PD-SGDM: a round every second
+# step, the momentum buffers mixed too)
+METHODS = {"dpsgd": OPTIONS, "d2": OPTIONS,
+           "pdsgdm": {**OPTIONS, "momentum": 0.9, "period": 2, "order": "cta", "average_momentum": True}}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_two_level_equals_flat_on_its_matrix_and_one_rank_per_node_is_flat(comm, name):
+    """The two-level run equals the flat method on the topology of W_nodes ⊗ (1/L) 1 1ᵀ to float32 summation
+    order; with one rank per node it is the flat run on the same graph bit for bit, and auto leaves that layout
+    flat."""
+    options = METHODS[name]
+
     def body():
         n, rank = comm.Get_size(), comm.Get_rank()
-        flat = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), hierarchical=False, **OPTIONS)
-        auto_one = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), **OPTIONS)
-        forced_one = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, 1), hierarchical=True,
-                                    **OPTIONS)
+        flat = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), hierarchical=False, **options)
+        auto_one = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), **options)
+        forced_one = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), hierarchical=True,
+                                    **options)
         assert flat.node_gossip is None and auto_one.node_gossip is None and forced_one.node_gossip is not None
         for algo in (flat, auto_one, forced_one):
             train(algo, 5)
         assert torch.equal(auto_one.flat.data, flat.flat.data) and torch.equal(forced_one.flat.data, flat.flat.data)
         for k in node_sizes(n)[1:]:
-            auto = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), **OPTIONS)
+            auto = make_algorithm(name, make_model(seed=rank), communicator(comm, k), **options)
             assert (auto.node_gossip is not None) == (n // k > 1), k
-            forced = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), hierarchical=True,
-                                    **OPTIONS)
+            forced = make_algorithm(name, make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                    **options)
             matrix = topo.from_matrix(two_level_matrix(topo.ring(n // k), k), name="two-level")
-            same_maths = make_algorithm("dpsgd", make_model(seed=rank), type(flat.comm)(comm, matrix),
-                                        hierarchical=False, **OPTIONS)
+            same_maths = make_algorithm(name, make_model(seed=rank), type(flat.comm)(comm, matrix),
+                                        hierarchical=False, **options)
             train(forced, 5)
             train(same_maths, 5)
             torch.testing.assert_close(forced.flat.data, same_maths.flat.data, rtol=1e-5, atol=1e-7)

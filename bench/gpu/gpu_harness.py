@@ -40,6 +40,7 @@ ALGORITHMS = {
     "moniqua_overlap": ({"bits": 8, "overlap": True}, False),
     "moniqua_1bit": ({"bits": 1}, False),
     "d2": ({}, False),
+    "d2_hier": ({"hierarchical": True}, False),
     "moniqua_d2": ({"bits": 8}, False),
     "choco": ({"codec": "qsgd", "codec_options": {"bits": 4}}, True),
     "choco_overlap": ({"codec": "qsgd", "codec_options": {"bits": 4}, "order": "cta", "overlap": True}, True),
@@ -62,6 +63,7 @@ ALGORITHMS = {
     "compressed_sgd": ({"codec": "topk", "codec_options": {"ratio": 0.01}, "error_feedback": True}, False),
     "hsq": ({"d": 8}, False),
     "allreduce_adam": ({"lr": 1e-3}, False),
+    "allreduce_adam_hier": ({"lr": 1e-3, "hierarchical": True}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
     "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path

@@ -21,6 +21,11 @@ inside g would leak into the frozen preconditioner; decoupled decay keeps the sa
 With a user optimizer (``optimizer=opt``, e.g. ``torch.optim.AdamW`` over two parameter groups) the
 averaged gradient goes to ``opt.step()`` instead of the built-in AdamW (then ``lr``, ``beta1``,
 ``beta2``, ``eps`` and ``weight_decay`` belong to ``opt``). ``clip_grad_norm_`` clips the averaged g.
+
+``hierarchical`` (auto: on over several nodes of several ranks) sums g in two levels, as AllReduce-SGD does
+(:mod:`~mpicomm.algorithms.shared.hierarchy`): reduce-scatter inside the node, allreduce of each local
+rank's shard between nodes, allgather inside the node. Every sum is exact, so the step is the flat one up
+to the order of float32 additions. (APMSqueeze's warm-up, which runs this code, stays flat.)
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
 
-__all__ = ["AdamConfig", "AllReduceAdam"]
+__all__ = ["AdamConfig", "AllReduceAdam", "AllReduceAdamConfig"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,16 @@ class AdamConfig(AlgorithmConfig):
             raise ValueError(f"momentum must be 0 for Adam-type algorithms (set beta1 instead), got {self.momentum!r}")
 
 
+@dataclass(frozen=True)
+class AllReduceAdamConfig(HierarchicalConfig, AdamConfig):
+    """AllReduce-Adam options: Adam's and hierarchical."""
+
+
 class AllReduceAdam(Algorithm):
     """Adam (AdamW form) on the gradient averaged over all ranks by one fp32 allreduce per step."""
 
     name = "allreduce_adam"
-    config_class = AdamConfig
+    config_class = AllReduceAdamConfig
     centralized = True
     clips_average = True
     takes_optimizer = True
@@ -73,13 +84,19 @@ class AllReduceAdam(Algorithm):
         self.optimizer = torch.optim.AdamW(
             [self.param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
+        self.two_level = (two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
+                          if isinstance(cfg, HierarchicalConfig) else None)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._adam_step(grad)
 
     def _adam_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
-        self.comm.allreduce(grad)
+        if self.two_level is None:
+            self.comm.allreduce(grad)
+        else:  # sum inside the node, allreduce of each local rank's shard between nodes, allgather inside
+            shard = self.two_level.reduce(grad)
+            self.two_level.spread(grad, self.two_level.cross.allreduce(shard))
         grad.div_(self.comm.size)
         self._clip(grad)
         if not self.user_optimizer:

@@ -17,6 +17,13 @@ Moniqua-D² (:mod:`mpicomm.algorithms.moniqua.d2`) replaces the last line. Detai
 No overlap of the exchange with the forward and backward pass (no ``overlap`` option): what D² sends is
 x_{k+1/2}, which holds -alpha_k g_k, so it can only leave after the backward pass of step k (the same
 holds for Moniqua-D²).
+
+``hierarchical`` (auto: on over several nodes of several ranks) mixes x_{k+1/2} in two levels, the node's
+exact average and then one gossip round on the graph of nodes (``node_topology``), as D-PSGD does
+(:mod:`~mpicomm.algorithms.shared.hierarchy`): D² with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ``, symmetric
+and doubly stochastic with the eigenvalues of ``W_nodes`` and zeros. D²'s analysis asks for a symmetric
+doubly stochastic W whose smallest eigenvalue exceeds -1/3; the two-level matrix has that of ``W_nodes``
+(and zeros), so the condition moves from the graph of ranks to the graph of nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from ...codecs import chunk_elems, chunk_ranges
 from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 
 __all__ = ["D2", "D2Config", "check_no_momentum"]
 
@@ -39,8 +47,8 @@ def check_no_momentum(config: AlgorithmConfig) -> None:
 
 
 @dataclass(frozen=True)
-class D2Config(AlgorithmConfig):
-    """D² options: those of every algorithm; momentum must stay 0."""
+class D2Config(NodeGraphConfig):
+    """D² options: those of every algorithm, hierarchical and node_topology; momentum must stay 0."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,6 +70,8 @@ class D2(Algorithm):
         self.lr_prev = 0.0
         self.started = False
         self._chunk = chunk_elems(x.device)
+        self.node_gossip = node_gossip_for(self.config, comm, x.numel(), x) if isinstance(
+            self.config, NodeGraphConfig) else None
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
@@ -81,7 +91,10 @@ class D2(Algorithm):
         self._mix(x, direction, lr)
 
     def _mix(self, x: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
-        """x_{k+1} = sum_j W_ij x_{j,k+1/2}, exactly as D-PSGD mixes."""
+        """x_{k+1} = sum_j W_ij x_{j,k+1/2}, exactly as D-PSGD mixes (in two levels when hierarchical)."""
+        if self.node_gossip is not None:
+            self.node_gossip.mix(x, self.step_count)
+            return
         topo = self.comm.topology(self.step_count)
         rows = self.comm.neighbor_allgather(x, step=self.step_count)
         gossip_average(x, rows, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))

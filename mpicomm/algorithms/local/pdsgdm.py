@@ -20,6 +20,11 @@ known before the gradient, so ``begin_step()`` posts it before the forward pass 
 the round -- bit for bit the blocking step; local-only steps post nothing. With ``order="atc"`` the
 message holds this step's gradient, and with ``average_momentum`` the momentum buffer updated by it, so
 both refuse ``overlap``.
+
+PD-SGDM's ``hierarchical`` (auto: on over several nodes of several ranks; not with ``overlap``) makes each
+round two-level: the node's exact average, then one gossip round on the graph of nodes (``node_topology``),
+for x and, with ``average_momentum``, for m (:mod:`~mpicomm.algorithms.shared.hierarchy`): the mixing matrix
+``W_nodes ⊗ (1/L) 1 1ᵀ``, doubly stochastic when ``W_nodes`` is, with its spectral gap.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import torch
 from ..base import check_bool
 from ..decentralized.choco import CHOCO, ChocoConfig
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip, check_period
 
 __all__ = ["CPDSGDM", "CPDSGDMConfig", "PDSGDM", "PDSGDMConfig"]
 
 
 @dataclass(frozen=True)
-class PDSGDMConfig(OrderConfig):
+class PDSGDMConfig(NodeGraphConfig, OrderConfig):
     """PD-SGDM options (momentum mu in [0, 1) defaults to 0.9).
 
     period: local steps between two gossip rounds, p >= 1. average_momentum: gossip the momentum buffers
@@ -74,6 +80,7 @@ class PDSGDM(PeriodicGossip):
         if self.config.average_momentum:  # a zero buffer from the start, so round 0 can average it
             param = self.optimizer.param_groups[0]["params"][0]
             self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(self.flat.data)
+        self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
 
     def _check_user_optimizer(self, optimizer):
         if self.config.average_momentum:
@@ -91,6 +98,11 @@ class PDSGDM(PeriodicGossip):
 
     def _gossip(self, round_index: int) -> None:
         x, rank = self.flat.data, self.comm.rank
+        if self.node_gossip is not None:
+            self.node_gossip.mix(x, round_index)
+            if self.config.average_momentum:
+                self.node_gossip.mix(self._momentum_buffer(), round_index)
+            return
         topo = self.comm.topology(round_index)
         self_weight, weights = topo.self_weight(rank), topo.neighbor_weights(rank)
         if not self.config.average_momentum:

@@ -34,59 +34,61 @@ import torch
 
 from ... import topology as topologies
 from ...comm import Communicator
-from ..base import GossipOverlapConfig
+from ..base import AlgorithmConfig, GossipOverlapConfig
 from .buckets import OverlapConfig
 from .gossip import gossip_average
 
-__all__ = ["GossipTwoLevelConfig", "NodeGossip", "TwoLevel", "TwoLevelConfig", "node_gossip_for", "node_topology_for",
-           "two_level_for"]
+__all__ = ["GossipTwoLevelConfig", "HierarchicalConfig", "NodeGossip", "NodeGraphConfig", "TwoLevel", "TwoLevelConfig",
+           "node_gossip_for", "node_topology_for", "two_level_for"]
 
 _WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
 
 @dataclass(frozen=True)
-class TwoLevelConfig(OverlapConfig):
-    """hierarchical: exchange in two levels, an exact sum inside each node and the method's exchange between
-    nodes on each local rank's shard (auto: on when the run spans more than one node with more than one rank
-    on each; on; off). Not with overlap."""
+class HierarchicalConfig(AlgorithmConfig):
+    """hierarchical: exchange in two levels, exact inside each node and the method's exchange between nodes on
+    each local rank's shard (auto: on when the run spans more than one node with more than one rank on each;
+    on; off). Not with overlap."""
 
     hierarchical: bool | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        _settle_hierarchical(self, "the two-level exchange runs after backward on the whole gradient")
-
-
-def _settle_hierarchical(config, why_not_overlap: str) -> None:
-    """Turn ``config.hierarchical`` given as auto/on/off into None/True/False; refuse it on with overlap."""
-    value = config.hierarchical
-    if isinstance(value, str):
-        if value.strip().lower() not in _WORDS:
-            raise ValueError(f"hierarchical must be auto, on or off, got {value!r}")
-        object.__setattr__(config, "hierarchical", _WORDS[value.strip().lower()])
-    elif value is not None and not isinstance(value, bool):
-        raise TypeError(f"hierarchical must be a bool, None (auto) or auto/on/off, got {value!r}")
-    if config.hierarchical and config.overlap:
-        raise ValueError(f"hierarchical cannot be combined with overlap: {why_not_overlap}; set one of them off")
+        value = self.hierarchical
+        if isinstance(value, str):
+            if value.strip().lower() not in _WORDS:
+                raise ValueError(f"hierarchical must be auto, on or off, got {value!r}")
+            object.__setattr__(self, "hierarchical", _WORDS[value.strip().lower()])
+        elif value is not None and not isinstance(value, bool):
+            raise TypeError(f"hierarchical must be a bool, None (auto) or auto/on/off, got {value!r}")
+        if self.hierarchical and getattr(self, "overlap", False):
+            raise ValueError("hierarchical cannot be combined with overlap: the two-level exchange needs the whole "
+                             "vector before the exchange between nodes; set one of them off")
 
 
 @dataclass(frozen=True)
-class GossipTwoLevelConfig(GossipOverlapConfig):
-    """hierarchical: gossip in two levels, the node's exact average and then one gossip round between nodes on
-    each local rank's shard (auto: on when the run spans more than one node with more than one rank on each;
-    on; off). Not with overlap. node_topology: the graph of nodes (a topology name such as ring or exponential;
+class TwoLevelConfig(HierarchicalConfig, OverlapConfig):
+    """The options of a centralized method with bucket overlap and a two-level exchange."""
+
+
+@dataclass(frozen=True)
+class NodeGraphConfig(HierarchicalConfig):
+    """node_topology: the graph of nodes of the two-level gossip (a topology name such as ring or exponential;
     default: the run's topology kind over the nodes)."""
 
-    hierarchical: bool | None = None
     node_topology: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        _settle_hierarchical(self, "the node average needs the whole model before the gossip between nodes")
         name = self.node_topology
         if name is not None and (not isinstance(name, str) or name not in topologies.TOPOLOGIES):
             raise ValueError(f"node_topology must be one of {', '.join(sorted(topologies.TOPOLOGIES))}, "
                              f"got {name!r}")
+
+
+@dataclass(frozen=True)
+class GossipTwoLevelConfig(NodeGraphConfig, GossipOverlapConfig):
+    """The options of a gossip method with overlap and a two-level gossip."""
 
 
 class TwoLevel:
@@ -116,12 +118,20 @@ class TwoLevel:
         return self.node.allgatherv_(v, self.counts)
 
 
-def two_level_for(config: TwoLevelConfig, comm: Communicator, numel: int, like: torch.Tensor) -> TwoLevel | None:
-    """Collective unless ``hierarchical`` is off: the :class:`TwoLevel` exchange ``config`` asks for, or None (flat)."""
-    if config.hierarchical is False or (config.hierarchical is None and config.overlap):
+def _levels_wanted(config: HierarchicalConfig, comm: Communicator):
+    """Collective unless ``hierarchical`` is off: the node layout when ``config`` asks for two levels, else None."""
+    if config.hierarchical is False or (config.hierarchical is None and getattr(config, "overlap", False)):
         return None
     layout = comm.node_layout(require_equal=config.hierarchical is True)
     if config.hierarchical is None and not layout.two_level:
+        return None
+    return layout
+
+
+def two_level_for(config: HierarchicalConfig, comm: Communicator, numel: int,
+                  like: torch.Tensor) -> TwoLevel | None:
+    """Collective unless ``hierarchical`` is off: the :class:`TwoLevel` exchange ``config`` asks for, or None (flat)."""
+    if _levels_wanted(config, comm) is None:
         return None
     return TwoLevel(comm, numel, like)
 
@@ -150,7 +160,7 @@ class NodeGossip:
         return self.levels.spread(x, shard)
 
 
-def node_topology_for(config: GossipTwoLevelConfig, schedule, n_nodes: int):
+def node_topology_for(config: NodeGraphConfig, schedule, n_nodes: int):
     """The graph of ``n_nodes`` nodes ``config`` asks for: ``node_topology``, else the kind of ``schedule``."""
     name = config.node_topology
     if name is None:
@@ -164,12 +174,10 @@ def node_topology_for(config: GossipTwoLevelConfig, schedule, n_nodes: int):
         raise ValueError(f"node_topology {name} over {n_nodes} nodes: {exc}") from None
 
 
-def node_gossip_for(config: GossipTwoLevelConfig, comm: Communicator, numel: int,
+def node_gossip_for(config: NodeGraphConfig, comm: Communicator, numel: int,
                     like: torch.Tensor) -> NodeGossip | None:
     """Collective unless ``hierarchical`` is off: the :class:`NodeGossip` ``config`` asks for, or None (flat)."""
-    if config.hierarchical is False or (config.hierarchical is None and config.overlap):
-        return None
-    layout = comm.node_layout(require_equal=config.hierarchical is True)
-    if config.hierarchical is None and not layout.two_level:
+    layout = _levels_wanted(config, comm)
+    if layout is None:
         return None
     return NodeGossip(comm, numel, like, node_topology_for(config, comm.schedule, layout.n_nodes))
