@@ -10,7 +10,11 @@
 # this script creates.
 #
 # --net takes the project's network string (mpicomm.net.parse_net): "1gbit,100us", "100mbit,0us" or
-# a named setting (fast, gbit, slow). Bandwidth is shaped with tbf. A latency > 0 is shaped with netem
+# a named setting (fast, gbit, slow). Two networks: with --ranks-per-node K, consecutive ranks form nodes
+# of K (exported as MPICOMM_RANKS_PER_NODE, so the apps' node layout is the shaped one) and --net may give
+# two classes, "intra=10gbit,0us,inter=100mbit,0us": each rank link is then an htb with a class per link
+# class, traffic to and from the ranks of its node (u32 filters on their addresses) at intra, everything
+# else (other nodes) at inter -- only the cross-node links shaped to the slow network. Bandwidth is shaped with tbf. A latency > 0 is shaped with netem
 # (half of it on each side of the bridge, so one rank-to-rank hop adds the full one-way latency) when
 # the kernel has sch_netem; without it the latency is NOT shaped (one warning on stderr) and only the
 # modelled path (--net on the apps, applied in the Communicator) covers latency.
@@ -26,6 +30,7 @@
 #
 #   scripts/netshape.sh mpirun --ranks 4 --net 1gbit,0us -- python bench/transport/comm.py
 #   scripts/netshape.sh run --ranks 4 --net slow -- mpiexec -n 4 '$MPICOMM_NETSHAPE_WRAP' python x.py
+#   scripts/netshape.sh mpirun --ranks 8 --ranks-per-node 2 --net intra=10gbit,0us,inter=1gbit,0us -- python x.py
 #   scripts/netshape.sh up --ranks 2 --net 100mbit,0us --id demo; scripts/netshape.sh down --id demo
 set -euo pipefail
 
@@ -53,7 +58,11 @@ usage: scripts/netshape.sh run    --ranks N --net SPEC [--id ID] [--] COMMAND...
   status  list the mcns- namespaces and their qdiscs
 
   --ranks N    number of MPI ranks (1..$MAX_RANKS)
-  --net SPEC   BANDWIDTH,LATENCY per rank link, e.g. 1gbit,100us; or fast, gbit, slow
+  --net SPEC   BANDWIDTH,LATENCY per rank link, e.g. 1gbit,100us; or fast, gbit, slow; with
+               --ranks-per-node, intra=SPEC,inter=SPEC for inside a node and between nodes
+  --ranks-per-node K
+               emulated nodes of K consecutive ranks (N a multiple of K): traffic between ranks of
+               one node at intra, the rest at inter; exported as MPICOMM_RANKS_PER_NODE
   --id ID      name of this run's namespaces (mcns-ID-...); default: this script's pid
 Needs root, iproute2 (ip, tc) and, for run/mpirun, util-linux unshare.
 EOF
@@ -75,26 +84,33 @@ python_bin() {
   else echo python3; fi
 }
 
-# parse_net SPEC -> sets NET_BITS (integer bit/s), NET_LAT_NS (integer ns), NET_STR (canonical)
+# parse_net SPEC -> sets NET_BITS (integer bit/s), NET_LAT_NS (integer ns) of the inter-node (or only)
+# class, INTRA_BITS, INTRA_LAT_NS of the intra-node one (the same for a one-class SPEC), TWO_CLASSES (0/1)
+# and NET_STR (canonical)
 parse_net() {
   local spec=$1 out py
   py=$(python_bin)
   if ! out=$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$py" -c '
 import sys
-from mpicomm.net import parse_net
+from mpicomm.net import NetLinks, parse_net
 try:
     s = parse_net(sys.argv[1])
 except ValueError as e:
     sys.exit(str(e))
 if s is None:
     sys.exit("--net: shaping needs a bandwidth, got %r (e.g. 1gbit,100us, fast, gbit, slow)" % sys.argv[1])
-print(int(round(s.bits_per_s)), int(round(s.latency_s * 1e9)), s)
+intra, inter = (s.intra, s.inter) if isinstance(s, NetLinks) else (s, s)
+print(*(int(round(v)) for v in (inter.bits_per_s, inter.latency_s * 1e9, intra.bits_per_s,
+                                intra.latency_s * 1e9)), int(isinstance(s, NetLinks)), s)
 ' "$spec" 2>&1); then
     out=${out##*$'\n'}
     die "invalid --net '$spec': ${out#--net: }"
   fi
-  read -r NET_BITS NET_LAT_NS NET_STR <<<"$out"
-  [ "$NET_BITS" -ge 8 ] || die "invalid --net '$spec': bandwidth below 8 bit/s cannot be shaped"
+  read -r NET_BITS NET_LAT_NS INTRA_BITS INTRA_LAT_NS TWO_CLASSES NET_STR <<<"$out"
+  [ "$NET_BITS" -ge 8 ] && [ "$INTRA_BITS" -ge 8 ] \
+    || die "invalid --net '$spec': bandwidth below 8 bit/s cannot be shaped"
+  [ "$TWO_CLASSES" = 0 ] || [ -n "$PER_NODE" ] \
+    || die "invalid --net '$spec': two link classes need --ranks-per-node (which ranks share a node)"
 }
 
 # ------------------------------------------------------------------ namespaces
@@ -121,9 +137,8 @@ HRES=0  # 1 when the kernel has high-resolution timers
 [ "$(awk '/resolution:/{print $2; exit}' /proc/timer_list 2>/dev/null)" != 1 ] || HRES=1
 NETEM=unknown  # after the first shaped link: yes (latency shaped) or no (bandwidth only, warned)
 
-shape() {  # shape NS DEV: bandwidth (and, where possible, half the latency) on DEV's egress
-  local ns=$1 dev=$2 rate_bytes burst limit half_us
-  rate_bytes=$(( NET_BITS / 8 ))
+burst_for() {  # burst_for BITS: the token-bucket burst, in bytes, for a rate of BITS bit/s
+  local rate_bytes=$(( $1 / 8 )) burst
   # tbf burst: with high-resolution timers (tbf's watchdog is an hrtimer) 1 ms of traffic, clamped to
   # 32..256 KB, keeps the rate exact; the classic rule burst >= rate/HZ (HZ=250: 500 KB at 1gbit)
   # would let the first 500 KB of every message through at line speed (a 1 MB send at 1gbit took
@@ -134,7 +149,20 @@ shape() {  # shape NS DEV: bandwidth (and, where possible, half the latency) on 
     burst=$(( rate_bytes / 250 ))
   fi
   [ "$burst" -ge 32768 ] || burst=32768
-  burst=${MPICOMM_NETSHAPE_BURST:-$burst}
+  echo "${MPICOMM_NETSHAPE_BURST:-$burst}"
+}
+
+no_latency_warning() {  # no_latency_warning TC_ERROR: once, say that latency is not shaped here
+  NETEM=no
+  echo "netshape: WARNING: latency ${NET_STR#*,} is NOT shaped here: this kernel has no sch_netem" \
+       "(tc: ${1%%$'\n'*}); only the bandwidth is shaped. The modelled path (--net on the" \
+       "apps, applied in the Communicator) covers latency." >&2
+}
+
+shape() {  # shape NS DEV: bandwidth (and, where possible, half the latency) on DEV's egress
+  local ns=$1 dev=$2 rate_bytes burst limit half_us
+  rate_bytes=$(( NET_BITS / 8 ))
+  burst=$(burst_for "$NET_BITS")
   limit=$(( burst + rate_bytes / 20 )); [ "$limit" -ge 262144 ] || limit=262144  # ~50 ms of queue
   if [ "$NET_LAT_NS" -gt 0 ] && [ "$NETEM" != no ]; then
     half_us=$(( (NET_LAT_NS + 1999) / 2000 ))
@@ -145,12 +173,35 @@ shape() {  # shape NS DEV: bandwidth (and, where possible, half the latency) on 
       return
     fi
     if [ "$NETEM" = yes ]; then die "tc netem on $ns/$dev failed: $err"; fi
-    NETEM=no
-    echo "netshape: WARNING: latency ${NET_STR#*,} is NOT shaped here: this kernel has no sch_netem" \
-         "(tc: ${err%%$'\n'*}); only the bandwidth is shaped (tbf). The modelled path (--net on the" \
-         "apps, applied in the Communicator) covers latency." >&2
+    no_latency_warning "$err"
   fi
   tc -n "$ns" qdisc add dev "$dev" root tbf rate "${NET_BITS}bit" burst "$burst" limit "$limit"
+}
+
+shape_classes() {  # shape_classes NS DEV RANK DIR: htb, the ranks of RANK's node (matched as ip DIR) at
+  # the intra class 1:10, everything else at the inter class 1:20 (each with half its latency, where
+  # netem exists); DIR is dst on the rank's own egress, src on its switch port (the rank's ingress)
+  local ns=$1 dev=$2 r=$3 dir=$4 class bits lat_ns err first p host
+  tc -n "$ns" qdisc add dev "$dev" root handle 1: htb default 20
+  for class in 10 20; do
+    if [ "$class" = 10 ]; then bits=$INTRA_BITS lat_ns=$INTRA_LAT_NS; else bits=$NET_BITS lat_ns=$NET_LAT_NS; fi
+    tc -n "$ns" class add dev "$dev" parent 1: classid "1:$class" htb rate "${bits}bit" \
+      burst "$(burst_for "$bits")" cburst "$(burst_for "$bits")" quantum 60000
+    if [ "$lat_ns" -gt 0 ] && [ "$NETEM" != no ]; then
+      if err=$(tc -n "$ns" qdisc add dev "$dev" parent "1:$class" netem delay "$(( (lat_ns + 1999) / 2000 ))us" \
+               limit 100000 2>&1); then
+        NETEM=yes
+      elif [ "$NETEM" = yes ]; then die "tc netem on $ns/$dev failed: $err"
+      else no_latency_warning "$err"; fi
+    fi
+  done
+  first=$(( r / PER_NODE * PER_NODE ))
+  for (( p = first; p < first + PER_NODE; p++ )); do
+    [ "$p" != "$r" ] || continue
+    host=$(( p + 1 ))
+    tc -n "$ns" filter add dev "$dev" parent 1: protocol ip prio 1 u32 \
+      match ip "$dir" "10.77.$(( host / 256 )).$(( host % 256 ))/32" flowid 1:10
+  done
 }
 
 setup() {  # setup ID N: the switch namespace, N rank namespaces, veths, addresses, qdiscs
@@ -169,8 +220,13 @@ setup() {  # setup ID N: the switch namespace, N rank namespaces, veths, address
     ip -n "$ns" link set mc0 up
     ip -n "$sw" link set "p$r" master br0
     ip -n "$sw" link set "p$r" up
-    shape "$ns" mc0       # the rank's egress
-    shape "$sw" "p$r"     # the rank's ingress (switch port towards the rank)
+    if [ -n "$PER_NODE" ]; then
+      shape_classes "$ns" mc0 "$r" dst      # the rank's egress
+      shape_classes "$sw" "p$r" "$r" src    # the rank's ingress (switch port towards the rank)
+    else
+      shape "$ns" mc0       # the rank's egress
+      shape "$sw" "p$r"     # the rank's ingress (switch port towards the rank)
+    fi
   done
 }
 
@@ -179,18 +235,20 @@ export_env() {  # export_env ID N: what MPICH needs to stay on TCP over mc0, and
          UCX_TLS=tcp UCX_NET_DEVICES=mc0
   export MPICOMM_NETSHAPE_WRAP="$WRAP" MPICOMM_NETSHAPE_PREFIX="$PREFIX$1-r" MPICOMM_NETSHAPE_RANKS="$2" \
          MPICOMM_NETSHAPE_NET="$NET_STR"
+  if [ -n "$PER_NODE" ]; then export MPICOMM_RANKS_PER_NODE="$PER_NODE"; fi
 }
 
 print_env() {
   local v
   for v in MPIR_CVAR_NOLOCAL MPIR_CVAR_CH4_NETMOD FI_PROVIDER FI_TCP_IFACE UCX_TLS UCX_NET_DEVICES \
-           MPICOMM_NETSHAPE_WRAP MPICOMM_NETSHAPE_PREFIX MPICOMM_NETSHAPE_RANKS MPICOMM_NETSHAPE_NET; do
+           MPICOMM_NETSHAPE_WRAP MPICOMM_NETSHAPE_PREFIX MPICOMM_NETSHAPE_RANKS MPICOMM_NETSHAPE_NET \
+           ${PER_NODE:+MPICOMM_RANKS_PER_NODE}; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 }
 
 # ------------------------------------------------------------------ argument parsing
-RANKS="" NET="" ID="" ALL=0 CMD=()
+RANKS="" NET="" ID="" ALL=0 CMD=() PER_NODE=""
 parse_args() {  # parse_args SUBCOMMAND ARGS...
   local sub=$1; shift
   while [ $# -gt 0 ]; do
@@ -200,6 +258,8 @@ parse_args() {  # parse_args SUBCOMMAND ARGS...
       --net) [ $# -ge 2 ] || die "--net needs a value"; NET=$2; shift 2 ;;
       --net=*) NET=${1#*=}; shift ;;
       --id) [ $# -ge 2 ] || die "--id needs a value"; ID=$2; shift 2 ;;
+      --ranks-per-node) [ $# -ge 2 ] || die "--ranks-per-node needs a value"; PER_NODE=$2; shift 2 ;;
+      --ranks-per-node=*) PER_NODE=${1#*=}; shift ;;
       --id=*) ID=${1#*=}; shift ;;
       --all) ALL=1; shift ;;
       -h|--help) usage; exit 0 ;;
@@ -217,6 +277,11 @@ parse_args() {  # parse_args SUBCOMMAND ARGS...
       [[ "$RANKS" =~ ^[0-9]+$ ]] && [ "$((10#$RANKS))" -ge 1 ] && [ "$((10#$RANKS))" -le $MAX_RANKS ] \
         || die "--ranks must be an integer from 1 to $MAX_RANKS, got '$RANKS'"
       RANKS=$((10#$RANKS))
+      if [ -n "$PER_NODE" ]; then
+        [[ "$PER_NODE" =~ ^[0-9]+$ ]] && [ "$((10#$PER_NODE))" -ge 1 ] && [ $(( RANKS % 10#$PER_NODE )) = 0 ] \
+          || die "--ranks-per-node must be a whole number >= 1 that divides --ranks $RANKS, got '$PER_NODE'"
+        PER_NODE=$((10#$PER_NODE))
+      fi
       [ -n "$NET" ] || die "--net is required for $sub (e.g. --net 1gbit,100us)"
       ;;
   esac

@@ -71,8 +71,9 @@ def _netshape(*args, timeout=120) -> subprocess.CompletedProcess:
                           env=with_mpiexec_on_path())
 
 
-def _probe(net: str, ranks: int, *probe_args) -> dict:
-    res = _netshape("mpirun", "--ranks", str(ranks), "--net", net, "--", sys.executable, str(PROBE),
+def _probe(net: str, ranks: int, *probe_args, per_node: int | None = None) -> dict:
+    layout = ["--ranks-per-node", str(per_node)] if per_node else []
+    res = _netshape("mpirun", "--ranks", str(ranks), *layout, "--net", net, "--", sys.executable, str(PROBE),
                     *map(str, probe_args))
     assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     line = [x for x in res.stdout.splitlines() if x.startswith("{")][-1]
@@ -107,6 +108,31 @@ def test_allreduce_matches_the_alpha_beta_model(no_leftovers):
     ratio = got["seconds"] / expected
     assert 0.90 <= ratio <= 5.0, (f"allreduce {nbytes} B x {ranks} ranks at {net}: {got['seconds']:.4f} s, "
                                    f"model {expected:.4f} s, ratio {ratio:.3f}")
+
+
+@needs_netns
+def test_two_networks_shape_only_the_links_between_nodes(no_leftovers):
+    """4 ranks as 2 nodes of 2 at intra=10gbit, inter=100mbit: a send to the rank of the same node goes by the
+    intra class of rank 0's link (its byte counter), a send to the other node by the inter class and no faster
+    than 100 Mbit/s allow; the same send is then slower across nodes than inside one."""
+    from mpicomm.net import parse_net
+
+    net, nbytes = "intra=10gbit,0us,inter=100mbit,0us", 2_000_000
+    inside = _probe(net, 4, nbytes, "--dest", 1, per_node=2)
+    across = _probe(net, 4, nbytes, "--dest", 2, per_node=2)
+    assert inside["classes"]["1:10"] >= nbytes > inside["classes"]["1:20"], inside
+    assert across["classes"]["1:20"] >= nbytes > across["classes"]["1:10"], across
+    shaped = nbytes * 8 / parse_net(net).inter.bits_per_s
+    assert across["seconds"] >= 0.9 * shaped, across  # the cross-node link is shaped
+    assert inside["seconds"] < across["seconds"], (inside, across)
+
+
+@needs_netns
+def test_two_classes_need_the_node_size_and_it_must_divide_the_ranks(no_leftovers):
+    for args, named in ((["--ranks", "4", "--net", "intra=10gbit,0us,inter=1gbit,0us"], "--ranks-per-node"),
+                        (["--ranks", "4", "--ranks-per-node", "3", "--net", "1gbit,0us"], "--ranks-per-node")):
+        res = _netshape("run", *args, "--", "true", timeout=30)
+        assert res.returncode != 0 and named in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 # ------------------------------------------------------------------ cleanup
