@@ -102,27 +102,28 @@ def test_hierarchical_allreduce_sgd_equals_flat_and_float64(comm):
     run_all(comm, body)
 
 
-def test_hierarchical_allreduce_adam_equals_flat(comm):
-    """AllReduce-Adam's two-level sum: the flat step to float32 summation order; auto on when two levels differ;
-    APMSqueeze's warm-up (the same code) stays flat."""
+@pytest.mark.parametrize("name,warm_up_user", [("allreduce_adam", ("apmsqueeze", {"warmup_steps": 2})),
+                                               ("lamb", ("onebit_lamb", {"freeze_step": 2}))])
+def test_hierarchical_adam_and_lamb_equal_flat(comm, name, warm_up_user):
+    """AllReduce-Adam's and LAMB's two-level sum: the flat step to float32 summation order; auto on when two
+    levels differ; the 1-bit method whose warm-up runs the same code stays flat."""
     def body():
         n, rank = comm.Get_size(), comm.Get_rank()
         options = {"lr": 0.01, "weight_decay": 1e-2}
-        flat = make_algorithm("allreduce_adam", make_model(seed=rank), communicator(comm, 1), hierarchical=False,
-                              **options)
+        flat = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), hierarchical=False, **options)
         train(flat, 5)
         for k in node_sizes(n):
-            auto = make_algorithm("allreduce_adam", make_model(seed=rank), communicator(comm, k), **options)
+            auto = make_algorithm(name, make_model(seed=rank), communicator(comm, k), **options)
             assert (auto.two_level is not None) == (k > 1 and n // k > 1), k
-            forced = make_algorithm("allreduce_adam", make_model(seed=rank), communicator(comm, k),
-                                    hierarchical=True, **options)
+            forced = make_algorithm(name, make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                    **options)
             for algo in (auto, forced):
                 train(algo, 5)
                 if algo.two_level is None:
                     assert torch.equal(algo.flat.data, flat.flat.data), k
                 torch.testing.assert_close(algo.flat.data, flat.flat.data, rtol=1e-5, atol=1e-6)
-            assert make_algorithm("apmsqueeze", make_model(), communicator(comm, k), lr=0.01,
-                                  warmup_steps=2).two_level is None
+            user, user_options = warm_up_user
+            assert make_algorithm(user, make_model(), communicator(comm, k), lr=0.01, **user_options).two_level is None
 
     run_all(comm, body)
 
@@ -211,7 +212,8 @@ def two_levels(algo):
     return getattr(algo, "two_level", None) or getattr(algo, "node_gossip", None)
 
 
-@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "dpsgd", "pdsgdm"])
+@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "dpsgd",
+                                  "pdsgdm"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 

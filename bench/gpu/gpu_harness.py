@@ -64,6 +64,7 @@ ALGORITHMS = {
     "hsq": ({"d": 8}, False),
     "allreduce_adam": ({"lr": 1e-3}, False),
     "allreduce_adam_hier": ({"lr": 1e-3, "hierarchical": True}, False),
+    "lamb_hier": ({"lr": 1e-3, "hierarchical": True}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
     "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path

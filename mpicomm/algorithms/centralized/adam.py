@@ -92,11 +92,7 @@ class AllReduceAdam(Algorithm):
 
     def _adam_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
-        if self.two_level is None:
-            self.comm.allreduce(grad)
-        else:  # sum inside the node, allreduce of each local rank's shard between nodes, allgather inside
-            shard = self.two_level.reduce(grad)
-            self.two_level.spread(grad, self.two_level.cross.allreduce(shard))
+        (self.comm if self.two_level is None else self.two_level).allreduce(grad)
         grad.div_(self.comm.size)
         self._clip(grad)
         if not self.user_optimizer:

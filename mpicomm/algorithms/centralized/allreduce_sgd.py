@@ -63,8 +63,7 @@ class AllReduceSGD(LaunchedTraffic, Algorithm):
     def _step(self, grad: torch.Tensor) -> None:
         if self.two_level is not None:
             self._first_launch = None
-            shard = self.two_level.reduce(grad)
-            self.two_level.spread(grad, self.two_level.cross.allreduce(shard))
+            self.two_level.allreduce(grad)
         elif self.buckets is None:
             self._first_launch = None
             self.comm.allreduce(grad)

@@ -13,6 +13,10 @@ of the flat buffer; no bias correction, as DeepSpeed's LAMB)::
 
 One fp32 allreduce per step. ``optimizer=`` and ``clip_grad_norm_`` are refused: the trust ratio is the
 method. rbar feeds 1-bit LAMB's frozen ratios (:mod:`..onebit.lamb`); see ``docs/algorithms/centralized.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks) sums g in two levels, as AllReduce-SGD does
+(:mod:`~mpicomm.algorithms.shared.hierarchy`): exact sums, so the flat step up to the order of float32
+additions. (1-bit LAMB's warm-up, which runs this code, stays flat.)
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_range
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .adam import AdamConfig
 
-__all__ = ["LAMB", "LAMBConfig"]
+__all__ = ["LAMB", "LAMBConfig", "LAMBTwoLevelConfig"]
 
 
 @dataclass(frozen=True)
@@ -46,11 +51,16 @@ class LAMBConfig(AdamConfig):
         check_range("coeff_beta", self.coeff_beta, lo=0.0, hi=1.0, hi_open=True)
 
 
+@dataclass(frozen=True)
+class LAMBTwoLevelConfig(HierarchicalConfig, LAMBConfig):
+    """LAMB options: Adam's, the trust ratio's and hierarchical."""
+
+
 class LAMB(Algorithm):
     """LAMB (per-layer trust ratio on Adam's update) on the gradient averaged by one fp32 allreduce."""
 
     name = "lamb"
-    config_class = LAMBConfig
+    config_class = LAMBTwoLevelConfig
     centralized = True
     optimizer_refusal = "its layer-wise trust ratio is the method; set lr, beta1, beta2, eps and weight_decay instead"
     builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
@@ -62,6 +72,8 @@ class LAMB(Algorithm):
         self.layers = [(layer.offset, layer.offset + layer.numel) for layer in self.flat.layers]
         self.coeff_freeze = torch.zeros(len(self.layers), dtype=torch.float64)  # rbar_l
         self.last_coeffs = torch.ones(len(self.layers), dtype=torch.float64)    # r_l (or rbar_l f_l) of the last step
+        self.two_level = (two_level_for(self.config, comm, self.flat.numel, self.flat.grad)
+                          if isinstance(self.config, HierarchicalConfig) else None)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._lamb_step(grad)
@@ -69,7 +81,7 @@ class LAMB(Algorithm):
     def _lamb_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` over all ranks, update m and v, take the per-layer trust-ratio step."""
         cfg, x = self.config, self.flat.data
-        self.comm.allreduce(grad).div_(self.comm.size)
+        (self.comm if self.two_level is None else self.two_level).allreduce(grad).div_(self.comm.size)
         self.m.lerp_(grad, 1 - cfg.beta1)
         self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
         torch.sqrt(self.v, out=self._denom).add_(cfg.eps)

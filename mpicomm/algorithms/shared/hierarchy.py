@@ -117,6 +117,11 @@ class TwoLevel:
             v[self.lo:self.hi].copy_(shard)
         return self.node.allgatherv_(v, self.counts)
 
+    def allreduce(self, v: torch.Tensor) -> torch.Tensor:
+        """Collective: ``v`` <- its sum over all ranks, in place (node sum, allreduce of the shard between
+        nodes, allgather inside the node); returns ``v``."""
+        return self.spread(v, self.cross.allreduce(self.reduce(v)))
+
 
 def _levels_wanted(config: HierarchicalConfig, comm: Communicator):
     """Collective unless ``hierarchical`` is off: the node layout when ``config`` asks for two levels, else None."""
