@@ -1,6 +1,7 @@
-"""Two-level gossip (``hierarchical`` on D-PSGD, D² and PD-SGDM) over emulated nodes: a float64 reference of
-D-PSGD with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ`` step by step, each method against its flat self on
-that matrix, one rank per node bit for bit the flat run, the Ledger and the modelled clock per link class,
+"""Two-level gossip (``hierarchical`` on D-PSGD, D², PD-SGDM and CHOCO) over emulated nodes: a float64
+reference of D-PSGD with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ`` and one of CHOCO between node averages
+step by step, each full-precision method against its flat self on that matrix, lossless CHOCO against
+D-PSGD, one rank per node bit for bit the flat run, the Ledger and the modelled clock per link class,
 and the refusals.
 
 Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1.
@@ -38,7 +39,7 @@ def test_two_level_dpsgd_matches_float64_reference_step_by_step(comm, kind):
             algo = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), hierarchical=True,
                                   node_topology=kind, **OPTIONS)
             assert algo.node_gossip is not None
-            W = torch.from_numpy(two_level_matrix(topo.build(kind, n // k), k))
+            W = torch.tensor(two_level_matrix(topo.build(kind, n // k), k))
             assert np.allclose(W.sum(0), 1) and np.allclose(W.sum(1), 1)
             for t in range(4):
                 xs = torch.stack([x.double() for x in comm.allgather(algo.flat.data.clone())])
@@ -86,6 +87,61 @@ def test_two_level_equals_flat_on_its_matrix_and_one_rank_per_node_is_flat(comm,
             torch.testing.assert_close(forced.flat.data, same_maths.flat.data, rtol=1e-5, atol=1e-7)
             if not np.allclose(matrix.W, topo.ring(n).W):  # another mixing matrix than the flat ring's
                 assert not torch.allclose(forced.flat.data, flat.flat.data, rtol=1e-4), k
+
+    run_all(comm, body)
+
+
+def test_two_level_choco_matches_float64_reference_step_by_step(comm):
+    """CHOCO between nodes on node averages (order cta, top-50 % codec, gamma 0.6): per node a and shard j,
+    q = C(x̄_a[j] - x̂_a[j]), x̂_a += q, s_a += sum_b W_nodes[a, b] q_b, x̄_a[j] += gamma (s_a - x̂_a), then each
+    rank steps from its node's x̄ with its own gradient; the sums in float64, the codec's own rounding."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        gamma, lr = 0.6, OPTIONS["lr"]
+        for k in node_sizes(n):
+            nodes = n // k
+            algo = make_algorithm("choco", make_model(seed=0), communicator(comm, k), hierarchical=True,
+                                  order="cta", codec="topk", codec_options={"ratio": 0.5}, gamma=gamma, lr=lr)
+            W = torch.tensor(topo.ring(nodes).W)
+            counts = algo.node_gossip.levels.counts
+            bounds = [(sum(counts[:j]), sum(counts[:j + 1])) for j in range(k)]
+            codec = algo.gossip.codec
+            x0 = algo.flat.data.double().clone()
+            own = [x0.clone() for _ in range(nodes)]      # x̂_a (the full vector, shard by shard)
+            mixed = [x0.clone() for _ in range(nodes)]    # s_a
+            for t in range(3):
+                xs = torch.stack([x.double() for x in comm.allgather(algo.flat.data.clone())])
+                means = [xs[a * k:(a + 1) * k].mean(0) for a in range(nodes)]
+                for lo, hi in bounds:
+                    qs = []
+                    for a in range(nodes):
+                        diff = (means[a][lo:hi] - own[a][lo:hi]).float()
+                        qs.append(codec.decode(codec.encode(diff), hi - lo, out=torch.empty_like(diff)).double())
+                    for a in range(nodes):
+                        own[a][lo:hi] += qs[a]
+                        mixed[a][lo:hi] += sum(W[a, b] * qs[b] for b in range(nodes))
+                    for a in range(nodes):
+                        means[a][lo:hi] += gamma * (mixed[a][lo:hi] - own[a][lo:hi])
+                g = grad_at(algo.flat.data.clone(), rank, t).double()
+                expected = means[rank // k] - lr * g
+                train(algo, 1)
+                assert close(algo.flat.data, expected, rel=1e-5), (k, t, float((algo.flat.data.double() - expected)
+                                                                                .norm()))
+
+    run_all(comm, body)
+
+
+def test_two_level_lossless_choco_is_two_level_dpsgd(comm):
+    """CHOCO with the identity codec, gamma 1 and order cta is D-PSGD, flat and in two levels, bit for bit."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        for k in node_sizes(n):
+            dpsgd = make_algorithm("dpsgd", make_model(seed=rank), communicator(comm, k), hierarchical=True, lr=0.1)
+            choco = make_algorithm("choco", make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                   lr=0.1, codec="identity", gamma=1.0, order="cta")
+            train(dpsgd, 4)
+            train(choco, 4)
+            assert torch.equal(choco.flat.data, dpsgd.flat.data), k
 
     run_all(comm, body)
 

@@ -43,6 +43,7 @@ ALGORITHMS = {
     "d2_hier": ({"hierarchical": True}, False),
     "moniqua_d2": ({"bits": 8}, False),
     "choco": ({"codec": "qsgd", "codec_options": {"bits": 4}}, True),
+    "choco_hier": ({"codec": "qsgd", "codec_options": {"bits": 4}, "hierarchical": True}, True),
     "choco_overlap": ({"codec": "qsgd", "codec_options": {"bits": 4}, "order": "cta", "overlap": True}, True),
     "dcd": ({"codec": "sign"}, False),
     "pdsgdm": ({"period": 2, "momentum": 0.9}, False),

@@ -19,6 +19,14 @@ taken at the same x_i, so ``begin_step()`` encodes q_i = C(x_i - x̂_i), adds it
 the exchange before the forward pass; ``step()`` waits, adds the neighbours' W_ij q_j and finishes as the
 blocking step does (same codec draws, same sums in the same order: bit for bit). Under order="atc" the
 message is C(x_i - alpha g_i - x̂_i): it needs the gradient, and there is nothing to overlap.
+
+``hierarchical`` (auto: on over several nodes of several ranks; not with ``overlap``): each round is the
+node's exact average, then CHOCO's compressed round between nodes on the graph of nodes (``node_topology``),
+each local rank carrying its shard with its own public copies of it, then the allgather inside the node
+(:mod:`~mpicomm.algorithms.shared.hierarchy`). The nodes are CHOCO's participants: its analysis holds for
+the N node averages with the spectral gap of ``W_nodes``; the exact average inside the node is lossless.
+Per rank and round: the node's reduce-scatter and allgather in full precision, and the codec's payload of
+its shard (about d/L elements) to each neighbouring node.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 from ..base import check_bool, check_range
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from ..shared.public_sum import SumGossip
 
@@ -37,7 +46,7 @@ __all__ = ["CHOCO", "ChocoConfig", "begin_choco_consensus", "choco_consensus"]
 
 
 @dataclass(frozen=True)
-class ChocoConfig(CodecConfig, OrderConfig):
+class ChocoConfig(NodeGraphConfig, CodecConfig, OrderConfig):
     """CHOCO options (codec, codec_options and order as below).
 
     gamma: consensus step size in (0, 1]. overlap: with order="cta", encode and send C(x - x̂) in
@@ -96,7 +105,12 @@ class CHOCO(PeriodicGossip):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         codec = make_rank_codec(self.config, comm.rank)
-        self.gossip = SumGossip(comm, codec, self.flat.data, "model" if self.config.broadcast_init else "zeros")
+        init = "model" if self.config.broadcast_init else "zeros"
+        self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
+        if self.node_gossip is None:
+            self.gossip = SumGossip(comm, codec, self.flat.data, init)
+        else:  # public copies of this rank's shard, among the same local ranks of the neighbouring nodes
+            self.gossip = SumGossip(self.node_gossip.graph, codec, self.node_gossip.shard_of(self.flat.data), init)
 
     def _begin_exchange(self):
         round_index = self._round_at(self.step_count)
@@ -105,7 +119,13 @@ class CHOCO(PeriodicGossip):
         return begin_choco_consensus(self.flat.data, self.gossip, round_index)
 
     def _gossip(self, round_index: int) -> None:
+        if self.node_gossip is not None:
+            self.node_gossip.mix_with(self.flat.data, round_index, self._consensus)
+            return
         choco_consensus(self.flat.data, self.gossip, round_index, self.config.gamma, self._take_pending())
+
+    def _consensus(self, shard: torch.Tensor, round_index: int) -> None:
+        choco_consensus(shard, self.gossip, round_index, self.config.gamma)
 
     def _extra_state(self):
         return {**super()._extra_state(), "gossip": self.gossip.state_dict()}

@@ -156,13 +156,25 @@ class NodeGossip:
         self.graph = layout.cross.on_graph(node_topology)
         self.node, self.ranks_per_node = layout.node_index, layout.local_size
 
+    def shard_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The part of ``x`` this rank carries between nodes (a view)."""
+        return x[self.levels.lo:self.levels.hi]
+
+    def mix_with(self, x: torch.Tensor, step: int, gossip) -> torch.Tensor:
+        """Collective: the node average of ``x``'s shard, ``gossip(shard, step)`` on it in place (a gossip round
+        of the method over ``self.graph``), then every shard back into ``x``; returns ``x``."""
+        shard = self.levels.reduce(x).div_(self.ranks_per_node)
+        gossip(shard, step)
+        return self.levels.spread(x, shard)
+
     def mix(self, x: torch.Tensor, step: int) -> torch.Tensor:
         """Collective: ``x <- (W_nodes ⊗ (1/L) 1 1ᵀ) x`` in place (this rank's row); returns ``x``."""
-        shard = self.levels.reduce(x).div_(self.ranks_per_node)
+        return self.mix_with(x, step, self._average)
+
+    def _average(self, shard: torch.Tensor, step: int) -> None:
         topo = self.graph.topology(step)
         received = self.graph.neighbor_allgather(shard, step=step)
         gossip_average(shard, received, topo.self_weight(self.node), topo.neighbor_weights(self.node))
-        return self.levels.spread(x, shard)
 
 
 def node_topology_for(config: NodeGraphConfig, schedule, n_nodes: int):
