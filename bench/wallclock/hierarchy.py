@@ -11,8 +11,9 @@ evaluation at the end) under a modelled network of two link classes (docs/networ
 * ``1gbit``: ``--net intra=nvlink,inter=1gbit,100us``.
 
 Methods: ``allreduce_sgd`` (lr 0.1, momentum 0.9), ``qsgd`` (4 bits, bucket_size 512), ``terngrad`` (lr 0.1,
-momentum 0.9), ``signsgd`` (majority vote, lr 0.001, momentum 0.9) and ``dpsgd`` (ring, lr 0.1, momentum 0.9),
-each run twice with the same seed:
+momentum 0.9), ``signsgd`` (majority vote, lr 0.001, momentum 0.9), ``dpsgd`` (ring, lr 0.1, momentum 0.9),
+``d2`` (ring, lr 0.1), ``choco`` (ring, 4-bit QSGD, gamma 0.6, lr 0.1, momentum 0.9) and ``allreduce_adam``
+(lr 0.002), each run twice with the same seed:
 
 * ``flat``: ``--hierarchical off``, one collective over all 8 ranks, charged and booked at the ``inter`` link;
 * ``two-level``: ``--hierarchical on``, reduce-scatter inside the node, the method's exchange of each local
@@ -69,7 +70,11 @@ METHODS = {  # the method's options
     "terngrad": SGD,
     "signsgd": ["--lr", "0.001", "--momentum", "0.9"],
     "dpsgd": [*SGD, "--topology", "ring"],
+    "d2": ["--lr", "0.1", "--momentum", "0", "--topology", "ring"],
+    "choco": [*SGD, "--topology", "ring", "--codec", "qsgd", "--codec-options", "bits=4", "--gamma", "0.6"],
+    "allreduce_adam": ["--lr", "0.002", "--momentum", "0"],
 }
+GOSSIP = {"dpsgd", "d2", "choco"}  # methods whose two-level form is a gossip between nodes
 LAYOUTS = {"flat": "off", "two-level": "on"}  # case label -> --hierarchical
 JOB_ENV = {"MPICOMM_RANKS_PER_NODE": str(RANKS_PER_NODE), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
@@ -110,16 +115,16 @@ def table_row(network: str, method: str, flat: dict, two_level: dict, verdict: d
             f"{verdict['largest_train_loss_gap']:.2g}"]
 
 
-def dpsgd_note() -> str:
-    """What D-PSGD's rows mean: its booked flat bytes against a real node placement, and the two mixings' gaps."""
+def gossip_note() -> str:
+    """What the gossip rows mean: their booked flat bytes against a real node placement, and the mixings' gaps."""
     from mpicomm import topology
 
     nodes = RANKS // RANKS_PER_NODE
     flat, two_level = topology.ring(RANKS).spectral_gap(), topology.ring(nodes).spectral_gap()
-    return (f"D-PSGD: the flat ring sends the model to both neighbours, booked between nodes; on real nodes one "
-            f"neighbour shares the node, so flat D-PSGD's real inter-node bytes equal the two-level run's. The "
-            f"two-level gossip gains in mixing: its matrix (ring of {nodes} nodes ⊗ node average) has spectral gap "
-            f"{two_level:.3f} against {flat:.3f} for the ring of {RANKS} ranks.")
+    return (f"Gossip methods (D-PSGD, D², CHOCO): the flat ring sends to both neighbours, booked between nodes; on "
+            f"real nodes one neighbour shares the node, so the real flat inter-node bytes are half those booked, "
+            f"about the two-level run's. The two-level gossip gains in mixing: its matrix (ring of {nodes} nodes ⊗ "
+            f"node average) has spectral gap {two_level:.3f} against {flat:.3f} for the ring of {RANKS} ranks.")
 
 
 def main() -> None:
@@ -166,8 +171,8 @@ def main() -> None:
              "mostly waiting for a core and the step time follows it, not the network. Losses: mean over ranks "
              "of the training loss of the last step; the gap is the largest difference between the flat and "
              f"two-level runs' per-step losses. Targets met: {met} of {2 * len(rows)}.")
-    if "dpsgd" in methods:
-        notes += " " + dpsgd_note()
+    if set(methods) & GOSSIP:
+        notes += " " + gossip_note()
     title = (f"Two-level exchange against flat, {RANKS} ranks as {RANKS // RANKS_PER_NODE} emulated nodes x "
              f"{RANKS_PER_NODE} (MPICOMM_RANKS_PER_NODE={RANKS_PER_NODE}), ResNet-20, digits, batch 16 per rank, "
              f"{args.steps} steps")
