@@ -13,11 +13,10 @@ import torch
 
 from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
-from mpicomm.net import CostModel, parse_net
 
 from .algo_common import grad_at, make_model, train
 from .conftest import run_all
-from .test_hierarchy_mpi import NET, close, communicator, node_sizes
+from .test_hierarchy_mpi import INTER, INTRA, close, communicator, node_sizes, second_step
 
 pytestmark = pytest.mark.mpi
 
@@ -152,14 +151,8 @@ def test_ledger_and_clock_per_link_class(comm, kind):
     its modelled time is reduce-scatter + neighbour exchange between nodes + allgather."""
     def body():
         n, rank = comm.Get_size(), comm.Get_rank()
-        model = CostModel(parse_net(NET))
-        intra, inter = model.on("intra"), model.on("inter")
         for k in node_sizes(n):
-            c = communicator(comm, k, net=NET)
-            algo = make_algorithm("dpsgd", make_model(), c, hierarchical=True, node_topology=kind, lr=0.1)
-            train(algo, 1)
-            modelled = c.clock.modelled_s
-            train(algo, 1)
+            algo, modelled = second_step(comm, k, "dpsgd", node_topology=kind)
             stats, d = algo.stats(), algo.flat.numel
             counts = algo.node_gossip.levels.counts
             mine = counts[rank % k]
@@ -167,10 +160,10 @@ def test_ledger_and_clock_per_link_class(comm, kind):
             k_out, k_in = len(graph.out_neighbors(rank // k)), len(graph.in_neighbors(rank // k))
             assert stats["step_bytes_sent_intra"] == 4 * (d - mine) + 4 * (k - 1) * mine, (k, stats)
             assert stats["step_bytes_sent_inter"] == 4 * mine * k_out, (k, stats)
-            expected = (intra.reduce_scatter(4 * d, k) + inter.neighbor(4 * mine * k_out, 4 * mine * k_in)
-                        + intra.allgatherv(4 * max(counts), k))
-            assert c.clock.modelled_s - modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
-            sent_to = {peer for (_, peer), nbytes in c.ledger.sent.items() if nbytes}
+            expected = (INTRA.reduce_scatter(4 * d, k) + INTER.neighbor(4 * mine * k_out, 4 * mine * k_in)
+                        + INTRA.allgatherv(4 * max(counts), k))
+            assert modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
+            sent_to = {peer for (_, peer), nbytes in algo.comm.ledger.sent.items() if nbytes}
             node_peers = {b * k + rank % k for b in graph.out_neighbors(rank // k)}
             members = set(range(rank - rank % k, rank - rank % k + k)) - {rank}
             assert sent_to == node_peers | members, (k, sent_to)  # booked as the world's ranks

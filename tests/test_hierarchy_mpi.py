@@ -159,19 +159,29 @@ def test_two_level_ef_signsgd_matches_float64_reference_step_by_step(comm):
     run_all(comm, body)
 
 
+LINKS = CostModel(parse_net(NET))
+INTRA, INTER = LINKS.on("intra"), LINKS.on("inter")  # the cost model of each link class under NET
+
+
+def second_step(comm, k, name, **options):
+    """A two-level ``name`` at ``k`` ranks per node under NET after two steps, and the seconds the second one
+    was modelled at (the first warms up)."""
+    c = communicator(comm, k, net=NET)
+    algo = make_algorithm(name, make_model(), c, lr=0.1, hierarchical=True, **options)
+    train(algo, 1)
+    modelled = c.clock.modelled_s
+    train(algo, 1)
+    return algo, c.clock.modelled_s - modelled
+
+
 @pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd"])
 def test_ledger_and_clock_per_link_class(comm, name):
     """One step's bytes on each link class and its modelled time are the two-level formulas; flat books all inter."""
     def body():
         n, rank = comm.Get_size(), comm.Get_rank()
-        model = CostModel(parse_net(NET))
-        intra, inter = model.on("intra"), model.on("inter")
+        intra, inter = INTRA, INTER
         for k in node_sizes(n):
-            c = communicator(comm, k, net=NET)
-            algo = make_algorithm(name, make_model(), c, lr=0.1, hierarchical=True)
-            train(algo, 1)
-            modelled = c.clock.modelled_s
-            train(algo, 1)
+            algo, modelled = second_step(comm, k, name)
             stats, d, nodes = algo.stats(), algo.flat.numel, n // k
             counts = algo.two_level.counts
             mine = counts[rank % k]
@@ -187,7 +197,7 @@ def test_ledger_and_clock_per_link_class(comm, name):
             assert stats["step_bytes_sent_inter"] == inter_bytes, (k, stats)
             assert stats["step_bytes_sent"] == intra_bytes + inter_bytes
             expected = intra.reduce_scatter(4 * d, k) + inter_cost + intra.allgatherv(4 * max(counts), k)
-            assert c.clock.modelled_s - modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
+            assert modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
         flat = communicator(comm, None, net=NET)
         algo = make_algorithm(name, make_model(), flat, lr=0.1, hierarchical=False)
         train(algo, 2)
