@@ -43,7 +43,10 @@ equal the flat run's bit for bit (final 1.9681); the compressed methods end with
 (0.7-1.0 s, 8 ranks on 2 cores) is nearly all compute waiting for a core: the 0.2-9 ms saved do not show in it,
 flat and two-level differing by up to 0.17 s a step either way. D-PSGD (ring): 0.50 of the booked flat bytes
 (1,079 / 2,158 kB), modelled communication 1.73 -> 0.88 ms at 10gbit and 17.4 -> 8.7 ms at 1gbit, final loss
-2.140 two-level against 2.179 flat (another mixing matrix: spectral gap 0.667 against 0.195).
+2.140 two-level against 2.179 flat (another mixing matrix: spectral gap 0.667 against 0.195); D² the same bytes
+and times (final 2.190 against 2.226); CHOCO 4-bit 137.0 / 273.9 kB (0.5002: the target missed by the
+scale each shard's payload carries), modelled 0.22 -> 0.12 ms and 2.3 -> 1.2 ms, final 2.049 against 2.161;
+AllReduce-Adam as AllReduce-SGD (0.43, losses bit-identical).
 
 Writes docs/results/hierarchy.{md,json}; the runs go to bench/results/runs/hierarchy/ (reused unless --fresh).
 """
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -115,6 +119,13 @@ def table_row(network: str, method: str, flat: dict, two_level: dict, verdict: d
             f"{verdict['largest_train_loss_gap']:.2g}"]
 
 
+def no_overlap(method: str) -> list[str]:
+    """``--no-overlap`` for a method that has the option (two levels exclude it), else nothing."""
+    from mpicomm.algorithms.registry import ALGORITHMS
+
+    return ["--no-overlap"] if "overlap" in {f.name for f in fields(ALGORITHMS[method].config_class)} else []
+
+
 def gossip_note() -> str:
     """What the gossip rows mean: their booked flat bytes against a real node placement, and the mixings' gaps."""
     from mpicomm import topology
@@ -142,8 +153,7 @@ def main() -> None:
         parser.error(f"--networks: unknown {sorted(set(networks) - set(NETWORKS))}; choose from {', '.join(NETWORKS)}")
     enter_loopback_namespace()
     base = ["--model", "resnet20", "--dataset", "digits", "--batch-size", "16", "--max-steps", str(args.steps),
-            "--log-every", "1", "--eval-every", str(10 * args.steps), "--eval-limit", "64", "--eval-bn-batches", "2",
-            "--no-overlap"]
+            "--log-every", "1", "--eval-every", str(10 * args.steps), "--eval-limit", "64", "--eval-bn-batches", "2"]
     rows, results = [], {}
     for network in networks:
         for method in methods:
@@ -151,8 +161,9 @@ def main() -> None:
             for layout, hierarchical in LAYOUTS.items():
                 run_dir = os.path.join(RUNS, "hierarchy", network, f"{method}-{layout}")
                 run = launch(f"{network} {method} {layout}", "train_resnet.py", RANKS,
-                             [*base, "--net", NETWORKS[network], "--algorithm", method, *METHODS[method],
-                              "--hierarchical", hierarchical], run_dir, fresh=args.fresh, env=JOB_ENV)
+                             [*base, *no_overlap(method), "--net", NETWORKS[network], "--algorithm", method,
+                              *METHODS[method], "--hierarchical", hierarchical], run_dir, fresh=args.fresh,
+                             env=JOB_ENV)
                 summary[layout] = summarize(run)
             verdict = compare(summary["flat"], summary["two-level"])
             rows.append(table_row(network, method, summary["flat"], summary["two-level"], verdict))
