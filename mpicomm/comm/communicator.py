@@ -31,7 +31,7 @@ from ..ledger import ANY, Ledger
 from ..net import CostModel, NetClock, NetLinks, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, mpi_typed, query_cuda_aware
 from .guard import WaitGuard, process_guard
-from .nodes import NodeLayout, ranks_per_node_setting
+from .nodes import NodeLayout, ranks_per_node_setting, shared_memory_spans_nodes
 
 __all__ = ["Communicator", "Handle"]
 
@@ -111,6 +111,7 @@ class Communicator:
         self._peer_ranks: tuple[int, ...] | None = None  # a child's ranks as its parent's (None: itself)
         self.ranks_per_node = ranks_per_node_setting(ranks_per_node)
         self._layout: NodeLayout | None = None
+        self._spans: bool | None = None  # spans_nodes(), once known
         self._recv: dict[tuple, torch.Tensor] = {}
         self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
         self._adopt(topology)
@@ -139,7 +140,7 @@ class Communicator:
                                                                           self.clock, self.guard)
         child.link = link
         child._peer_ranks = tuple(self._peer(p) for p in peer_ranks)
-        child.ranks_per_node, child._layout = None, None
+        child.ranks_per_node, child._layout, child._spans = None, None, None
         child._recv, child._recv_specs, child._graphs, child._neighbors = {}, {}, [], []
         return child
 
@@ -169,6 +170,20 @@ class Communicator:
         if self._layout.refusal is not None and (require_equal or self._layout.emulated):
             raise ValueError(self._layout.refusal)
         return self._layout
+
+    def spans_nodes(self) -> bool:
+        """Collective the first time: whether the two-level collectives differ from flat here (equal nodes, more
+        than one, of more than one rank each), found without keeping a communicator (an algorithm with
+        ``hierarchical`` auto asks this on every construction). Emulated nodes that do not divide the ranks
+        raise the layout's one-line ``ValueError``."""
+        if self._layout is not None:
+            return self._layout.two_level
+        if self._spans is None:
+            k = self.ranks_per_node
+            if k is not None and self.size % k:
+                return self.nodes.two_level  # raises the layout's refusal
+            self._spans = k > 1 and self.size // k > 1 if k is not None else shared_memory_spans_nodes(self)
+        return self._spans
 
     @property
     def nodes(self) -> NodeLayout:

@@ -26,7 +26,7 @@ import os
 
 from mpi4py import MPI
 
-__all__ = ["RANKS_PER_NODE_ENV", "NodeLayout", "ranks_per_node_setting"]
+__all__ = ["RANKS_PER_NODE_ENV", "NodeLayout", "ranks_per_node_setting", "shared_memory_spans_nodes"]
 
 RANKS_PER_NODE_ENV = "MPICOMM_RANKS_PER_NODE"
 
@@ -48,6 +48,26 @@ def ranks_per_node_setting(value: int | None = None) -> int | None:
     return value
 
 
+def _node_sizes(parent, node) -> tuple[tuple[int, ...], dict[int, int]]:
+    """Collective over ``parent``: the members of this rank's ``node`` (as ``parent``'s ranks) and every node's
+    size by its lowest member."""
+    with parent.guard.waiting("the node layout"):
+        members = tuple(node.allgather(parent.rank))
+    return members, dict(parent.allgather_object((members[0], node.Get_size()), what="the node layout"))
+
+
+def shared_memory_spans_nodes(parent) -> bool:
+    """Collective over ``parent``: whether the ranks that share memory form more than one node, every node of
+    the same number of ranks and more than one; the node communicator is freed again."""
+    node = parent.comm.Split_type(MPI.COMM_TYPE_SHARED, key=parent.rank)
+    try:
+        _, size_of = _node_sizes(parent, node)
+    finally:
+        node.Free()
+    sizes = set(size_of.values())
+    return len(size_of) > 1 and len(sizes) == 1 and sizes.pop() > 1
+
+
 class NodeLayout:
     """This rank's place among the nodes of ``parent`` (a Communicator); collective to build.
 
@@ -66,11 +86,8 @@ class NodeLayout:
         else:
             node = raw.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        with parent.guard.waiting("the node layout"):
-            self.members = tuple(node.allgather(rank))
-        everyone = parent.allgather_object((self.members[0], self.local_size), what="the node layout")
-        firsts = sorted({first for first, _ in everyone})
-        size_of = dict(everyone)
+        self.members, size_of = _node_sizes(parent, node)
+        firsts = sorted(size_of)
         self.sizes = tuple(size_of[first] for first in firsts)
         self.n_nodes = len(firsts)
         self.node_index = firsts.index(self.members[0])

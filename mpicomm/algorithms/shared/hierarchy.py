@@ -127,10 +127,9 @@ def _levels_wanted(config: HierarchicalConfig, comm: Communicator):
     """Collective unless ``hierarchical`` is off: the node layout when ``config`` asks for two levels, else None."""
     if config.hierarchical is False or (config.hierarchical is None and getattr(config, "overlap", False)):
         return None
-    layout = comm.node_layout(require_equal=config.hierarchical is True)
-    if config.hierarchical is None and not layout.two_level:
+    if config.hierarchical is None and not comm.spans_nodes():
         return None
-    return layout
+    return comm.node_layout(require_equal=config.hierarchical is True)
 
 
 def two_level_for(config: HierarchicalConfig, comm: Communicator, numel: int,
