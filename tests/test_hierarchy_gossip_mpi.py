@@ -171,6 +171,19 @@ def test_ledger_and_clock_per_link_class(comm, kind):
     run_all(comm, body)
 
 
+def test_auto_on_one_host_keeps_no_node_communicator(comm):
+    """hierarchical auto on the real layout (every rank on this host: one node) runs flat and keeps no node or
+    cross-node communicator: an algorithm built per test case must not use up MPI's communicators."""
+    def body():
+        for name in ("dpsgd", "choco", "allreduce_adam", "allreduce_sgd"):
+            c = communicator(comm, None)
+            algo = make_algorithm(name, make_model(), c, lr=0.1)
+            assert c.spans_nodes() is False and c._layout is None, name  # the layout was never built
+            assert getattr(algo, "node_gossip", None) is None and getattr(algo, "two_level", None) is None
+
+    run_all(comm, body)
+
+
 def test_bad_settings_are_refused(comm):
     def body():
         n = comm.Get_size()
