@@ -121,6 +121,7 @@ class Communicator:
         self.schedule = topology
         self._graphs: list = []
         self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self._booked_neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # as the Ledger's ranks
         by_topology: dict = {}
         for step in range(topology.period):
             topo = topology.at(step)
@@ -129,6 +130,7 @@ class Communicator:
                 by_topology[topo] = self.comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
             self._graphs.append((topo, by_topology[topo]))
             self._neighbors.append((sources, dests))
+            self._booked_neighbors.append((tuple(map(self._peer, sources)), tuple(map(self._peer, dests))))
 
     def _child(self, raw, link: str, peer_ranks: tuple[int, ...]) -> Communicator:
         """A Communicator over ``raw`` (a sub-communicator of this one's ranks ``peer_ranks``, in ``raw``'s rank
@@ -180,9 +182,12 @@ class Communicator:
             return self._layout.two_level
         if self._spans is None:
             k = self.ranks_per_node
-            if k is not None and self.size % k:
+            if k is None:
+                self._spans = shared_memory_spans_nodes(self)
+            elif self.size % k:
                 return self.nodes.two_level  # raises the layout's refusal
-            self._spans = k > 1 and self.size // k > 1 if k is not None else shared_memory_spans_nodes(self)
+            else:
+                self._spans = k > 1 and self.size // k > 1
         return self._spans
 
     @property
@@ -254,6 +259,7 @@ class Communicator:
         index = step % len(self._graphs)
         graph = self._graphs[index][1]
         sources, dests = self._neighbors[index]
+        booked_sources, booked_dests = self._booked_neighbors[index]
         shape = (len(sources), *send.shape)
         key = None
         if out is None:
@@ -262,8 +268,7 @@ class Communicator:
         else:
             self._check_out(out, shape, send, "neighbor_allgather")
         nbytes = send.numel() * send.element_size()
-        self.ledger.record_uniform("neighbor_allgather", nbytes, tuple(map(self._peer, dests)),
-                                   tuple(map(self._peer, sources)), link=self.link)
+        self.ledger.record_uniform("neighbor_allgather", nbytes, booked_dests, booked_sources, link=self.link)
 
         def specs(sbuf, rbuf):
             return as_bytes(sbuf), self._recv_spec(key, out, rbuf)

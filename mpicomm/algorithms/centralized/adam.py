@@ -84,8 +84,7 @@ class AllReduceAdam(Algorithm):
         self.optimizer = torch.optim.AdamW(
             [self.param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-        self.two_level = (two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
-                          if isinstance(cfg, HierarchicalConfig) else None)
+        self.two_level = two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._adam_step(grad)

@@ -72,8 +72,7 @@ class LAMB(Algorithm):
         self.layers = [(layer.offset, layer.offset + layer.numel) for layer in self.flat.layers]
         self.coeff_freeze = torch.zeros(len(self.layers), dtype=torch.float64)  # rbar_l
         self.last_coeffs = torch.ones(len(self.layers), dtype=torch.float64)    # r_l (or rbar_l f_l) of the last step
-        self.two_level = (two_level_for(self.config, comm, self.flat.numel, self.flat.grad)
-                          if isinstance(self.config, HierarchicalConfig) else None)
+        self.two_level = two_level_for(self.config, comm, self.flat.numel, self.flat.grad)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._lamb_step(grad)

@@ -18,9 +18,10 @@ more than one rank on each and every node holds as many ranks (otherwise flat, b
 ``True`` runs them whatever the layout (one node or one rank per node included; unequal nodes refused
 with one line on every rank); ``False`` never. Not with ``overlap`` (auto picks flat; on is refused).
 
-Two-level gossip (:class:`NodeGossip`, for D-PSGD): the node's exact average, then one gossip round between
-nodes on the graph of nodes ``W_nodes`` (ring, exponential, ... over node ids), each local rank carrying its
-shard, as BlueFog's ``hierarchical_neighbor_allreduce``. With ranks ordered by node its mixing matrix is
+Two-level gossip (:class:`NodeGossip`, for D-PSGD, D², PD-SGDM, CHOCO and CPD-SGDM): the node's exact average,
+then one gossip round of the method between nodes on the graph of nodes ``W_nodes`` (ring, exponential, ...
+over node ids), each local rank carrying its shard, as BlueFog's ``hierarchical_neighbor_allreduce``. For a
+full-precision round, with ranks ordered by node its mixing matrix is
 ``W = W_nodes ⊗ (1/L) 1 1ᵀ``: symmetric and doubly stochastic when ``W_nodes`` is, with the eigenvalues of
 ``W_nodes`` and zeros, so the second largest ``|λ|`` of ``W`` is that of ``W_nodes`` -- the consensus runs
 over ``N`` nodes instead of ``N L`` ranks.
@@ -123,9 +124,12 @@ class TwoLevel:
         return self.spread(v, self.cross.allreduce(self.reduce(v)))
 
 
-def _levels_wanted(config: HierarchicalConfig, comm: Communicator):
-    """Collective unless ``hierarchical`` is off: the node layout when ``config`` asks for two levels, else None."""
-    if config.hierarchical is False or (config.hierarchical is None and getattr(config, "overlap", False)):
+def _levels_wanted(config, comm: Communicator):
+    """Collective unless ``hierarchical`` is off: the node layout when ``config`` asks for two levels, else None
+    (also for a config without the option, such as a 1-bit method's, whose warm-up shares the code)."""
+    if not isinstance(config, HierarchicalConfig) or config.hierarchical is False:
+        return None
+    if config.hierarchical is None and getattr(config, "overlap", False):
         return None
     if config.hierarchical is None and not comm.spans_nodes():
         return None
