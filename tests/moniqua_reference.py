@@ -76,16 +76,18 @@ class ReferenceTheta:
 
 
 def reference_mix(x: torch.Tensor, W: torch.Tensor, step: int, theta: torch.Tensor, bits: int, parts: int,
-                  gamma: float, rounding: str = "dither", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i) on every tensor's part, for every rank (no wrap assumed).
+                  gamma: float, rounding: str = "dither", seed: int = 0,
+                  sizes=LAYER_SIZES) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i) on every tensor's part, for every rank (no wrap assumed);
+    ``sizes``: the tensors' sizes in the vector (the test model's, or a shard's parts of them).
 
     Also returns, per tensor, the largest recovered distance max_i max_{j in N(i)} |x̂_j - x_i| on its part,
     computed in float32 as ``|L_j - (x_i s + u)| / s`` (float64; 0 for an empty part).
     """
     n = x.shape[0]
     new = x.clone()
-    distance = torch.zeros(len(LAYER_SIZES), dtype=torch.float64)
-    for tensor, (a, b) in enumerate(parts_at(step, parts)):
+    distance = torch.zeros(len(sizes), dtype=torch.float64)
+    for tensor, (a, b) in enumerate(parts_at(step, parts, sizes)):
         if a == b:
             continue
         s = float((2**bits) * (1 - 2.0 ** -bits) / (2 * theta[tensor]))  # 2^b (1 - 2 delta) / (2 theta)

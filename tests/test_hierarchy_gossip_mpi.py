@@ -1,5 +1,5 @@
-"""Two-level gossip (``hierarchical`` on D-PSGD, D², PD-SGDM and CHOCO) over emulated nodes: a float64
-reference of D-PSGD with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ`` and one of CHOCO between node averages
+"""Two-level gossip (``hierarchical`` on D-PSGD, D², PD-SGDM, CHOCO, DCD and Moniqua) over emulated nodes: a float64
+reference of D-PSGD with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ`` and ones of CHOCO, DCD and Moniqua between nodes
 step by step, each full-precision method against its flat self on that matrix, lossless CHOCO against
 D-PSGD, one rank per node bit for bit the flat run, the Ledger and the modelled clock per link class,
 and the refusals.
@@ -13,9 +13,11 @@ import torch
 
 from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
+from mpicomm.algorithms.shared.hierarchy import shard_layers
 
 from .algo_common import grad_at, make_model, train
 from .conftest import run_all
+from .moniqua_reference import reference_mix
 from .test_hierarchy_mpi import INTER, INTRA, close, communicator, node_sizes, second_step
 
 pytestmark = pytest.mark.mpi
@@ -126,6 +128,111 @@ def test_two_level_choco_matches_float64_reference_step_by_step(comm):
                 train(algo, 1)
                 assert close(algo.flat.data, expected, rel=1e-5), (k, t, float((algo.flat.data.double() - expected)
                                                                                 .norm()))
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("codec", ["topk", "identity"])
+def test_two_level_dcd_matches_float64_reference_step_by_step(comm, codec):
+    """DCD between nodes (top-50 % codec, and the lossless path): every rank of node a holds y_a; per shard,
+    half_a = W_nodes[a, a] (y_a - ŷ_a) + s_a + (1/L) sum_{i on a} u_i with u_i = -lr (g_i(y_a) + wd y_a), then
+    q_a = C(half_a - ŷ_a), ŷ_a += q_a, s_a += sum_b W_nodes[a, b] q_b, y_a = ŷ_a (lossless: y_a = W_nodes y +
+    mean u); the sums in float64, the codec's own rounding. The ranks start from different models (no
+    broadcast), so the node average at the start is checked too."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        lr, wd = OPTIONS["lr"], OPTIONS["weight_decay"]
+        for k in node_sizes(n):
+            nodes = n // k
+            starts = torch.stack([x.double() for x in comm.allgather(
+                torch.nn.utils.parameters_to_vector(make_model(seed=rank).parameters()).detach())])
+            algo = make_algorithm("dcd", make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                  codec=codec, codec_options={"ratio": 0.5} if codec == "topk" else {},
+                                  broadcast_init=False, **OPTIONS)
+            W = torch.tensor(topo.ring(nodes).W)
+            ys = [starts[a * k:(a + 1) * k].mean(0) for a in range(nodes)]
+            assert close(algo.flat.data, ys[rank // k]), k
+            own = [y.clone() for y in ys]                                   # ŷ_a (the full vector)
+            mixed = [sum(W[a, b] * ys[b] for b in range(nodes)) for a in range(nodes)]   # s_a
+            counts = algo.node_gossip.levels.counts
+            bounds = [(sum(counts[:j]), sum(counts[:j + 1])) for j in range(k)]
+            lossy = codec != "identity"
+            for t in range(3):
+                here = algo.flat.data.clone()
+                g = grad_at(here, rank, t).double() + wd * here.double()
+                us = torch.stack([-lr * u for u in comm.allgather(g)])
+                halves = []
+                for a in range(nodes):
+                    mean_u = us[a * k:(a + 1) * k].mean(0)
+                    if lossy:
+                        halves.append(W[a, a] * (ys[a] - own[a]) + mixed[a] + mean_u)
+                    else:
+                        halves.append(sum(W[a, b] * ys[b] for b in range(nodes)) + mean_u)
+                if lossy:
+                    for lo, hi in bounds:
+                        qs = []
+                        for a in range(nodes):
+                            diff = (halves[a][lo:hi] - own[a][lo:hi]).float()
+                            qs.append(algo.gossip.codec.decode(algo.gossip.codec.encode(diff), hi - lo,
+                                                               out=torch.empty_like(diff)).double())
+                        for a in range(nodes):
+                            own[a][lo:hi] += qs[a]
+                            mixed[a][lo:hi] += sum(W[a, b] * qs[b] for b in range(nodes))
+                    ys = [o.clone() for o in own]
+                else:
+                    ys = halves
+                train(algo, 1)
+                assert close(algo.flat.data, ys[rank // k], rel=1e-5), (k, t, float((algo.flat.data.double()
+                                                                                     - ys[rank // k]).norm()))
+
+    run_all(comm, body)
+
+
+def test_two_level_moniqua_with_one_rank_per_node_is_flat_moniqua(comm):
+    """One rank per node: each shard is the whole model, the node's average and its largest step are the rank's
+    own, so two-level Moniqua (default options: 4 bits on rotating quarters, observed theta, dither, guard) is
+    flat Moniqua bit for bit; auto leaves that layout flat."""
+    def body():
+        rank = comm.Get_rank()
+        flat = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), hierarchical=False, lr=0.1)
+        auto = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), lr=0.1)
+        forced = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), hierarchical=True, lr=0.1)
+        assert auto.node_gossip is None and forced.node_gossip is not None
+        for algo in (flat, auto, forced):
+            train(algo, 6)
+        assert torch.equal(forced.flat.data, flat.flat.data) and torch.equal(auto.flat.data, flat.flat.data)
+        assert forced.stats()["theta_max"] == flat.stats()["theta_max"]
+
+    run_all(comm, body)
+
+
+def test_two_level_moniqua_matches_reference_between_node_averages(comm):
+    """Moniqua's round between node averages, shard by shard (4 bits, rotating halves of each tensor's part in
+    the shard, a fixed theta, the shared dither keyed by the shard's coordinates): the pure-torch reference's
+    mix of the N node averages on the shard's tensor parts, then each rank's own step lr (g_i + wd x_i)."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        lr, wd = OPTIONS["lr"], OPTIONS["weight_decay"]
+        for k in node_sizes(n):
+            nodes = n // k
+            algo = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, k), hierarchical=True,
+                                  bits=4, parts=2, theta=1.0, gamma=1.0, **OPTIONS)
+            W = torch.tensor(topo.ring(nodes).W, dtype=torch.float32)
+            counts = algo.node_gossip.levels.counts
+            bounds = [(sum(counts[:j]), sum(counts[:j + 1])) for j in range(k)]
+            for t in range(4):
+                xs = torch.stack(comm.allgather(algo.flat.data.clone()))
+                means = torch.stack([xs[a * k:(a + 1) * k].sum(0) / k for a in range(nodes)])
+                for lo, hi in bounds:
+                    sizes = [part.numel for part in shard_layers(algo.flat.layers, lo, hi)]
+                    theta = torch.full((len(sizes),), 1.0, dtype=torch.float64)
+                    means[:, lo:hi] = reference_mix(means[:, lo:hi].contiguous(), W, t, theta, 4, 2, 1.0,
+                                                    sizes=sizes)[0]
+                g = grad_at(algo.flat.data.clone(), rank, t) + wd * algo.flat.data
+                expected = means[rank // k] - lr * g
+                train(algo, 1)
+                assert algo.stats()["wrapped_parts"] == 0, (k, t)
+                torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6, msg=f"{k} nodes' step {t}")
 
     run_all(comm, body)
 

@@ -12,8 +12,9 @@ evaluation at the end) under a modelled network of two link classes (docs/networ
 
 Methods: ``allreduce_sgd`` (lr 0.1, momentum 0.9), ``qsgd`` (4 bits, bucket_size 512), ``terngrad`` (lr 0.1,
 momentum 0.9), ``signsgd`` (majority vote, lr 0.001, momentum 0.9), ``dpsgd`` (ring, lr 0.1, momentum 0.9),
-``d2`` (ring, lr 0.1), ``choco`` (ring, 4-bit QSGD, gamma 0.6, lr 0.1, momentum 0.9) and ``allreduce_adam``
-(lr 0.002), each run twice with the same seed:
+``d2`` (ring, lr 0.1), ``choco`` (ring, 4-bit QSGD, gamma 0.6, lr 0.1, momentum 0.9), ``allreduce_adam``
+(lr 0.002), ``dcd`` (ring, 4-bit QSGD, lr 0.1, momentum 0.9) and ``moniqua`` (ring, its defaults, lr 0.1,
+momentum 0.9), each run twice with the same seed:
 
 * ``flat``: ``--hierarchical off``, one collective over all 8 ranks, charged and booked at the ``inter`` link;
 * ``two-level``: ``--hierarchical on``, reduce-scatter inside the node, the method's exchange of each local
@@ -77,8 +78,10 @@ METHODS = {  # the method's options
     "d2": ["--lr", "0.1", "--momentum", "0", "--topology", "ring"],
     "choco": [*SGD, "--topology", "ring", "--codec", "qsgd", "--codec-options", "bits=4", "--gamma", "0.6"],
     "allreduce_adam": ["--lr", "0.002", "--momentum", "0"],
+    "dcd": [*SGD, "--topology", "ring", "--codec", "qsgd", "--codec-options", "bits=4"],
+    "moniqua": [*SGD, "--topology", "ring"],
 }
-GOSSIP = {"dpsgd", "d2", "choco"}  # methods whose two-level form is a gossip between nodes
+GOSSIP = {"dpsgd", "d2", "choco", "dcd", "moniqua"}  # methods whose two-level form is a gossip between nodes
 LAYOUTS = {"flat": "off", "two-level": "on"}  # case label -> --hierarchical
 JOB_ENV = {"MPICOMM_RANKS_PER_NODE": str(RANKS_PER_NODE), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 

@@ -19,6 +19,19 @@ step t is q_i = C(x_i^{t+1/2} - x_i^t), which holds -alpha g_i, so it cannot lea
 pass of step t; and step t + 1 mixes with the replicas it updates, so it must arrive before then.
 (Posting it at the end of step t and completing it in step t + 1 would overlap it with step t + 1's
 compute, but leaves a message in flight between steps, where checkpoints are written.)
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+the nodes are DCD's participants. Every rank of node a holds the node's model y_a (the ranks start from
+their node's average); with u_i the local update of rank i (``-alpha g_i``, or the user optimizer's) and
+W_nodes the graph of nodes (``node_topology``), on each local rank's shard::
+
+    y_a^{t+1/2} = W_nodes[a, a] y_a + sum_{b != a} W_nodes[a, b] ŷ_b + (1/L) sum_{i on a} u_i
+    q_a = C(y_a^{t+1/2} - y_a);   y_a^{t+1} = y_a + q_a;   send q_a to the neighbouring nodes
+
+(the node's mean update by a reduce-scatter inside the node, the compressed difference of each shard
+between the same local ranks of neighbouring nodes, y^{t+1} by an allgather inside the node). That is DCD
+over the N nodes with the node's averaged stochastic gradient, so Tang et al.'s analysis holds with the
+spectral gap of ``W_nodes`` and a gradient variance divided by L.
 """
 
 from __future__ import annotations
@@ -30,14 +43,15 @@ import torch
 from ..base import Algorithm, clone_optimizer_state
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 from ..shared.public_sum import SumGossip
 
 __all__ = ["DCD", "DCDConfig"]
 
 
 @dataclass(frozen=True)
-class DCDConfig(CodecConfig):
-    """DCD-PSGD options: codec and codec_options (see :mod:`.replicas`), plus the common ones."""
+class DCDConfig(NodeGraphConfig, CodecConfig):
+    """DCD-PSGD options: codec and codec_options, hierarchical and node_topology, plus the common ones."""
 
 
 class DCD(Algorithm):
@@ -51,11 +65,22 @@ class DCD(Algorithm):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
         codec = make_rank_codec(self.config, comm.rank)
-        self.gossip = SumGossip(comm, codec, self.flat.data, "model" if self.config.broadcast_init else "exchange")
+        init = "model" if self.config.broadcast_init else "exchange"
+        self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
+        if self.node_gossip is None:
+            self.gossip = SumGossip(comm, codec, self.flat.data, init)
+            return
+        if not self.config.broadcast_init:  # every rank of a node holds the node's model
+            self.node_gossip.mix_with(self.flat.data, 0, lambda shard, step: None)
+        self.shard = self.node_gossip.shard_of(self.flat.data)
+        self.gossip = SumGossip(self.node_gossip.graph, codec, self.shard, init)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
         update = self._user_update()
+        if self.node_gossip is not None:
+            self._two_level_step(update)
+            return
         x, t, rank = self.flat.data, self.step_count, self.comm.rank
         topo = self.comm.topology(t)
         if self.gossip.lossless:
@@ -67,6 +92,29 @@ class DCD(Algorithm):
         if not self.gossip.lossless:
             self.gossip.advance(x, t + 1)
             x.copy_(self.gossip.pair_at(t + 1)[0])
+
+    def _two_level_step(self, update: torch.Tensor | None) -> None:
+        """The step between nodes on this rank's shard of y_a (see the module docstring)."""
+        t, node = self.step_count, self.node_gossip.node
+        topo = self.node_gossip.graph.topology(t)
+        weight = topo.self_weight(node)
+        before = self.shard.clone()
+        if self.gossip.lossless:
+            mixed = gossip_average(before.clone(), self.gossip.models(before, t), weight,
+                                   topo.neighbor_weights(node))
+        else:
+            own, total = self.gossip.pair_at(t)
+            mixed = torch.sub(before, own).mul_(weight).add_(total)
+        self._apply_update(update)
+        self.node_gossip.mix_with(self.flat.data, t, lambda shard, step: self._advance(shard, before, mixed))
+
+    def _advance(self, shard: torch.Tensor, before: torch.Tensor, mixed: torch.Tensor) -> None:
+        """``shard`` (the node's mean of ``y_a + u_i``) <- y_a^{t+1}: the mix plus the mean update, then (lossy
+        codecs) the compressed difference sent and added to the own public copy."""
+        shard.sub_(before).add_(mixed)
+        if not self.gossip.lossless:
+            self.gossip.advance(shard, self.step_count + 1)
+            shard.copy_(self.gossip.pair_at(self.step_count + 1)[0])
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "gossip": self.gossip.state_dict()}

@@ -9,6 +9,7 @@ from typing import Union
 
 from ...codecs.moniqua import ROUNDINGS
 from ..base import AlgorithmConfig, check_bool, check_range
+from ..shared.hierarchy import NodeGraphConfig
 from .theta import THETA_RULES
 
 __all__ = ["GUARDS", "IDENTITY_BITS", "MODULO_BITS", "MoniquaConfig", "MoniquaDPSGDConfig", "default_gamma"]
@@ -83,13 +84,14 @@ class MoniquaConfig(AlgorithmConfig):
 
 
 @dataclass(frozen=True)
-class MoniquaDPSGDConfig(MoniquaConfig):
-    """Moniqua (on D-PSGD) options: those above, and overlap.
+class MoniquaDPSGDConfig(NodeGraphConfig, MoniquaConfig):
+    """Moniqua (on D-PSGD) options: those above, overlap, hierarchical and node_topology.
 
     overlap: encode and send the model in begin_step(), before the forward pass, and finish the mix in
     step() (bit for bit the blocking step; the first step under an adaptive or observed theta exchanges
-    blocking). Moniqua-D² and Moniqua-AD-PSGD have no such option: D² sends x_{k+1/2}, which needs the
-    gradient, and AD-PSGD's pulls are asynchronous already.
+    blocking). Moniqua-D² and Moniqua-AD-PSGD have no overlap: D² sends x_{k+1/2}, which needs the
+    gradient, and AD-PSGD's pulls are asynchronous already. hierarchical: the node's exact average, then
+    Moniqua's round between nodes on each local rank's shard (not with overlap).
     """
 
     overlap: bool = False

@@ -18,9 +18,10 @@ more than one rank on each and every node holds as many ranks (otherwise flat, b
 ``True`` runs them whatever the layout (one node or one rank per node included; unequal nodes refused
 with one line on every rank); ``False`` never. Not with ``overlap`` (auto picks flat; on is refused).
 
-Two-level gossip (:class:`NodeGossip`, for D-PSGD, D², PD-SGDM, CHOCO and CPD-SGDM): the node's exact average,
-then one gossip round of the method between nodes on the graph of nodes ``W_nodes`` (ring, exponential, ...
-over node ids), each local rank carrying its shard, as BlueFog's ``hierarchical_neighbor_allreduce``. For a
+Two-level gossip (:class:`NodeGossip`, for D-PSGD, D², PD-SGDM, CHOCO, CPD-SGDM, DCD and Moniqua): the node's
+exact average, then one gossip round of the method between nodes on the graph of nodes ``W_nodes`` (ring,
+exponential, ... over node ids), each local rank carrying its shard, as BlueFog's
+``hierarchical_neighbor_allreduce``. For a
 full-precision round, with ranks ordered by node its mixing matrix is
 ``W = W_nodes ⊗ (1/L) 1 1ᵀ``: symmetric and doubly stochastic when ``W_nodes`` is, with the eigenvalues of
 ``W_nodes`` and zeros, so the second largest ``|λ|`` of ``W`` is that of ``W_nodes`` -- the consensus runs
@@ -35,12 +36,13 @@ import torch
 
 from ... import topology as topologies
 from ...comm import Communicator
+from ...flat import Layer
 from ..base import AlgorithmConfig, GossipOverlapConfig
 from .buckets import OverlapConfig
 from .gossip import gossip_average
 
-__all__ = ["GossipTwoLevelConfig", "HierarchicalConfig", "NodeGossip", "NodeGraphConfig", "TwoLevel", "TwoLevelConfig",
-           "node_gossip_for", "node_topology_for", "two_level_for"]
+__all__ = ["GossipTwoLevelConfig", "HierarchicalConfig", "NodeGossip", "NodeGraphConfig", "ShardOfFlat", "TwoLevel",
+           "TwoLevelConfig", "node_gossip_for", "node_topology_for", "shard_layers", "two_level_for"]
 
 _WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
@@ -178,6 +180,25 @@ class NodeGossip:
         topo = self.graph.topology(step)
         received = self.graph.neighbor_allgather(shard, step=step)
         gossip_average(shard, received, topo.self_weight(self.node), topo.neighbor_weights(self.node))
+
+
+def shard_layers(layers, lo: int, hi: int) -> list[Layer]:
+    """The parts of the flat buffer's tensors ``layers`` inside ``[lo, hi)``, as 1-D tensors of the shard (offsets
+    from ``lo``; each keeps its tensor's name), in order: what a per-tensor codec sees of a shard."""
+    parts = []
+    for layer in layers:
+        start, stop = max(layer.offset, lo), min(layer.offset + layer.numel, hi)
+        if start < stop:
+            parts.append(Layer(layer.name, start - lo, (stop - start,)))
+    return parts
+
+
+@dataclass(frozen=True)
+class ShardOfFlat:
+    """A shard of a flat buffer as a per-tensor method sees a model: ``data`` (a view) and its ``layers``."""
+
+    data: torch.Tensor
+    layers: list
 
 
 def node_topology_for(config: NodeGraphConfig, schedule, n_nodes: int):
