@@ -1,4 +1,5 @@
-"""The fetched datasets: full MNIST and BERT's python-docs corpus, verified, refused in one line when damaged.
+"""The datasets: the embedded digits read as scikit-learn gives them; the fetched full MNIST and BERT's
+python-docs corpus, verified, refused in one line when damaged.
 
 The set-up (``scripts/setup_env.sh``) fetched both into the data cache; these tests read that cache, and
 damage copies of it in a temporary ``MPICOMM_DATA_DIR``.
@@ -6,6 +7,7 @@ damage copies of it in a temporary ``MPICOMM_DATA_DIR``.
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -18,12 +20,27 @@ sys.path.insert(0, os.path.join(REPO, "apps"))
 from bert.corpus import load_documents  # noqa: E402
 from bert.documents import load_python_docs  # noqa: E402
 from data.cache import cache_dir  # noqa: E402
-from data.images import load_mnist, shard_indices  # noqa: E402
+from data.images import digits_arrays, load_mnist, shard_indices  # noqa: E402
 from data.mnist import FETCH_COMMAND, load_mnist_arrays  # noqa: E402
 
 # The label counts of MNIST's 60,000 training (train + validation) and 10,000 test digits.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_digits_are_scikit_learns_and_read_without_importing_it():
+    """The embedded digits equal ``sklearn.datasets.load_digits()`` exactly, and a process that loads them never
+    imports scikit-learn (about 1.8 s of every rank's start-up)."""
+    from sklearn.datasets import load_digits
+
+    images, targets = digits_arrays()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and targets.dtype == digits.target.dtype
+    assert (images == digits.images).all() and (targets == digits.target).all()
+    child = ("import sys; sys.path.insert(0, 'apps'); from data.images import load_digits32; "
+             "data = load_digits32(); print(len(data.x_train) + len(data.x_test), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1797", "False"], out.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
