@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2, 3 and 4 ranks, the CPU part of
-# scripts/gpu_check.sh, then
-# rendered sbatch templates on a real single-node SLURM (root only; installed from Debian if missing).
+# scripts/gpu_check.sh and, beside them, rendered sbatch templates on a real single-node SLURM (root only;
+# installed from Debian if missing).
 # Fails if any rank fails any test; every MPI tier runs under a timeout so nothing can hang.
 # As root with `unshare` available, all tiers run in a loopback-only network namespace (no MPI byte
 # leaves the machine); elsewhere (a laptop, a cluster login node) they run normally.
@@ -15,9 +15,10 @@ if [ -z "${MPICOMM_NETNS:-}" ] && [ "$(id -u)" = 0 ] && command -v unshare >/dev
 fi
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-. scripts/mpi_yield.sh
-mpi_yield_if_oversubscribed 4   # the tests start up to 4 ranks: on fewer cores, waiting ranks yield theirs
-echo "== MPICH yield when idle: ${MPIR_CVAR_ENABLE_HEAVY_YIELD:-unset} (set when the tests' 4 ranks outnumber the cores)"
+# MPICH's waiting ranks spin (MPIR_CVAR_ENABLE_HEAVY_YIELD unset unless the caller set it): with 4 ranks on 2
+# cores the tests' many small collectives ran 4-12x slower per exchange with the yield setting
+# (`python bench/transport/comm.py --compare-yield 4`) and the 4-rank tier took 284 s against 216 s.
+echo "== MPICH yield when idle: ${MPIR_CVAR_ENABLE_HEAVY_YIELD:-unset}"
 echo "== network: ${MPICOMM_NETNS:-host (not root or no unshare: MPI runs on the normal network stack)}"
 failed=()
 tier() {  # tier NAME COMMAND...
@@ -28,9 +29,23 @@ tier() {  # tier NAME COMMAND...
   echo "== $name: exit $rc in $((SECONDS - t0)) s"
   [ $rc = 0 ] || failed+=("$name (exit $rc)")
 }
+# The SLURM tier mostly waits (the scheduler's interval, a requeued job's credential hold, a modelled 500 ms
+# latency per step), so it runs beside the other tiers, its output printed when it is joined at the end.
+slurm_log=$(mktemp)
+slurm_pid=
+if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
+  echo "== slurm: started beside the other tiers (its output follows the GPU check)"
+  ( tier slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -p no:cacheprovider -m slurm \
+      tests/test_slurm.py; [ ${#failed[@]} = 0 ] ) > "$slurm_log" 2>&1 &
+  slurm_pid=$!
+else
+  echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
+fi
 MPI_TIMEOUT=${MPICOMM_MPI_TIER_TIMEOUT:-900}   # a hang guard: pytest-timeout stops a hung test after 300 s; a loaded 2-core machine took 420 s
 tier lint ruff check .
-tier serial python -m pytest -q "$@"
+# two pytest-xdist workers: the serial tests are mostly 2-rank app jobs and their start-up, which leave one of
+# two cores idle about a third of the time under one worker
+tier serial python -m pytest -q -n 2 --dist worksteal "$@"
 # 2 and 4 ranks: every MPI test. 1 rank: all but the files whose paths do not depend on the count beyond
 # 1 vs many (SAME_AT_ANY_COUNT: resume, devices, user optimizers, examples). 3 ranks, an odd count: the files
 # where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven chunks of the
@@ -53,12 +68,13 @@ for n in 1 2 3 4; do
   tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" \
     mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
 done
-tier gpu-check-cpu scripts/gpu_check.sh --cpu-only --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
-if [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
-  tier slurm timeout -k 10 900 scripts/slurm_local.sh python -m pytest -q -m slurm tests/test_slurm.py
-else
-  echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
+tier gpu-check-cpu env PYTHON="$PWD/.venv/bin/python" scripts/gpu_check.sh --cpu-only \
+  --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
+if [ -n "$slurm_pid" ]; then
+  wait "$slurm_pid" || failed+=("slurm")
+  cat "$slurm_log"
 fi
+rm -f "$slurm_log"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED tiers: ${failed[*]}"
   exit 1
