@@ -46,16 +46,16 @@ tier lint ruff check .
 # two pytest-xdist workers: the serial tests are mostly 2-rank app jobs and their start-up, which leave one of
 # two cores idle about a third of the time under one worker
 tier serial python -m pytest -q -n 2 --dist worksteal "$@"
-# 2 and 4 ranks: every MPI test. 1 rank: all but the files whose paths do not depend on the count beyond
-# 1 vs many (SAME_AT_ANY_COUNT: resume, devices, user optimizers, examples). 3 ranks, an odd count: the files
-# where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven chunks of the
-# 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums, unequal node
-# layouts, the collectives and the checkpoint of an odd world. The decentralized methods see no new case at
-# 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the serial
-# topology tests). Test files named on the command line replace ODD_COUNT at 3 ranks.
+# 4 ranks: every MPI test. 2 ranks: all but the files whose paths do not depend on the count beyond 1 vs
+# many (SAME_AT_ANY_COUNT: resume, devices, user optimizers), which run once, at 4 ranks, where a ring has two
+# distinct neighbours. 1 rank: neither those nor the examples (which run once, at 2 ranks). 3 ranks, an odd
+# count: the files where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven
+# chunks of the 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums,
+# unequal node layouts, the collectives and the checkpoint of an odd world. The decentralized methods see no
+# new case at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the
+# serial topology tests). Test files named on the command line replace ODD_COUNT at 3 ranks.
 SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_optimizer_mpi.py
-                   --ignore=tests/test_device_mpi.py --ignore=tests/test_user_optimizer_mpi.py
-                   --ignore=tests/test_examples_mpi.py)
+                   --ignore=tests/test_device_mpi.py --ignore=tests/test_user_optimizer_mpi.py)
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
@@ -63,7 +63,8 @@ ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allre
 named=0; for arg in "$@"; do [[ $arg == tests/* ]] && named=1; done
 for n in 1 2 3 4; do
   only=()
-  [ "$n" = 1 ] && only=("${SAME_AT_ANY_COUNT[@]}")
+  [ "$n" = 1 ] && only=("${SAME_AT_ANY_COUNT[@]}" --ignore=tests/test_examples_mpi.py)
+  [ "$n" = 2 ] && only=("${SAME_AT_ANY_COUNT[@]}")
   [ "$n" = 3 ] && [ "$named" = 0 ] && only=("${ODD_COUNT[@]}")
   tier "mpi-$n" timeout -k 10 "$MPI_TIMEOUT" env MPICOMM_EXPECT_RANKS="$n" \
     mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
