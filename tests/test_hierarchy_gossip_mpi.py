@@ -4,7 +4,8 @@ step by step, each full-precision method against its flat self on that matrix, l
 D-PSGD, one rank per node bit for bit the flat run, the Ledger and the modelled clock per link class,
 and the refusals.
 
-Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1.
+Runs at 1, 2 and 4 ranks: 4 as 2 nodes x 2 (and 1 x 4, 4 x 1), 2 as 1 x 2 and 2 x 1. Checks followed by more
+collectives agree across the ranks first (``assert_all``), so a failure on some ranks cannot hang the others.
 """
 
 import numpy as np
@@ -16,7 +17,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.algorithms.shared.hierarchy import shard_layers
 
 from .algo_common import grad_at, make_model, train
-from .conftest import run_all
+from .conftest import assert_all, run_all
 from .moniqua_reference import reference_mix
 from .test_hierarchy_mpi import INTER, INTRA, close, communicator, node_sizes, second_step
 
@@ -47,7 +48,8 @@ def test_two_level_dpsgd_matches_float64_reference_step_by_step(comm, kind):
                 g = grad_at(algo.flat.data.clone(), rank, t).double() + OPTIONS["weight_decay"] * xs[rank]
                 expected = W[rank] @ xs - OPTIONS["lr"] * g
                 train(algo, 1)
-                assert close(algo.flat.data, expected), (k, t, float((algo.flat.data.double() - expected).norm()))
+                assert_all(comm, close(algo.flat.data, expected), (k, t, float((algo.flat.data.double() - expected)
+                                                                                 .norm())))
 
     run_all(comm, body)
 
@@ -126,8 +128,8 @@ def test_two_level_choco_matches_float64_reference_step_by_step(comm):
                 g = grad_at(algo.flat.data.clone(), rank, t).double()
                 expected = means[rank // k] - lr * g
                 train(algo, 1)
-                assert close(algo.flat.data, expected, rel=1e-5), (k, t, float((algo.flat.data.double() - expected)
-                                                                                .norm()))
+                assert_all(comm, close(algo.flat.data, expected, rel=1e-5),
+                           (k, t, float((algo.flat.data.double() - expected).norm())))
 
     run_all(comm, body)
 
@@ -151,7 +153,7 @@ def test_two_level_dcd_matches_float64_reference_step_by_step(comm, codec):
                                   broadcast_init=False, **OPTIONS)
             W = torch.tensor(topo.ring(nodes).W)
             ys = [starts[a * k:(a + 1) * k].mean(0) for a in range(nodes)]
-            assert close(algo.flat.data, ys[rank // k]), k
+            assert_all(comm, close(algo.flat.data, ys[rank // k]), k)
             own = [y.clone() for y in ys]                                   # ŷ_a (the full vector)
             mixed = [sum(W[a, b] * ys[b] for b in range(nodes)) for a in range(nodes)]   # s_a
             counts = algo.node_gossip.levels.counts
@@ -182,8 +184,8 @@ def test_two_level_dcd_matches_float64_reference_step_by_step(comm, codec):
                 else:
                     ys = halves
                 train(algo, 1)
-                assert close(algo.flat.data, ys[rank // k], rel=1e-5), (k, t, float((algo.flat.data.double()
-                                                                                     - ys[rank // k]).norm()))
+                assert_all(comm, close(algo.flat.data, ys[rank // k], rel=1e-5),
+                           (k, t, float((algo.flat.data.double() - ys[rank // k]).norm())))
 
     run_all(comm, body)
 
@@ -231,8 +233,30 @@ def test_two_level_moniqua_matches_reference_between_node_averages(comm):
                 g = grad_at(algo.flat.data.clone(), rank, t) + wd * algo.flat.data
                 expected = means[rank // k] - lr * g
                 train(algo, 1)
-                assert algo.stats()["wrapped_parts"] == 0, (k, t)
-                torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6, msg=f"{k} nodes' step {t}")
+                ok = algo.stats()["wrapped_parts"] == 0 and torch.allclose(algo.flat.data, expected, rtol=1e-5,
+                                                                           atol=1e-6)
+                assert_all(comm, ok, (k, t, float((algo.flat.data - expected).abs().max())))
+
+    run_all(comm, body)
+
+
+def test_two_level_moniquas_step_statistic_is_the_largest_on_the_node(comm):
+    """theta's step statistic for a shard is, per tensor part, the largest |lr g_i| over the node's ranks (the
+    node average moves by at most that), not this rank's own: each rank's gradient here is (rank + 1) times
+    one vector, so the node's largest is its last rank's."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        lr = 0.1
+        for k in node_sizes(n):
+            algo = make_algorithm("moniqua", make_model(seed=0), communicator(comm, k), hierarchical=True, lr=lr,
+                                  momentum=0.0)
+            base = torch.linspace(-1.0, 2.0, algo.flat.numel)
+            got = algo._node_step_sizes(base * (rank + 1), None)
+            lo, hi = algo.node_gossip.levels.lo, algo.node_gossip.levels.hi
+            last = rank - rank % k + k  # the node's last rank, plus one
+            expected = [lr * last * float(base[lo + part.offset:lo + part.offset + part.numel].abs().max())
+                        for part in shard_layers(algo.flat.layers, lo, hi)]
+            assert_all(comm, np.allclose(got.numpy(), expected, rtol=1e-6), (k, got, expected))
 
     run_all(comm, body)
 
@@ -247,7 +271,7 @@ def test_two_level_lossless_choco_is_two_level_dpsgd(comm):
                                    lr=0.1, codec="identity", gamma=1.0, order="cta")
             train(dpsgd, 4)
             train(choco, 4)
-            assert torch.equal(choco.flat.data, dpsgd.flat.data), k
+            assert_all(comm, torch.equal(choco.flat.data, dpsgd.flat.data), k)
 
     run_all(comm, body)
 
@@ -265,15 +289,15 @@ def test_ledger_and_clock_per_link_class(comm, kind):
             mine = counts[rank % k]
             graph = topo.build(kind, n // k)
             k_out, k_in = len(graph.out_neighbors(rank // k)), len(graph.in_neighbors(rank // k))
-            assert stats["step_bytes_sent_intra"] == 4 * (d - mine) + 4 * (k - 1) * mine, (k, stats)
-            assert stats["step_bytes_sent_inter"] == 4 * mine * k_out, (k, stats)
+            assert_all(comm, stats["step_bytes_sent_intra"] == 4 * (d - mine) + 4 * (k - 1) * mine
+                       and stats["step_bytes_sent_inter"] == 4 * mine * k_out, (k, stats))
             expected = (INTRA.reduce_scatter(4 * d, k) + INTER.neighbor(4 * mine * k_out, 4 * mine * k_in)
                         + INTRA.allgatherv(4 * max(counts), k))
-            assert modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), k
+            assert_all(comm, modelled == pytest.approx(expected, rel=1e-9, abs=1e-15), (k, modelled, expected))
             sent_to = {peer for (_, peer), nbytes in algo.comm.ledger.sent.items() if nbytes}
             node_peers = {b * k + rank % k for b in graph.out_neighbors(rank // k)}
             members = set(range(rank - rank % k, rank - rank % k + k)) - {rank}
-            assert sent_to == node_peers | members, (k, sent_to)  # booked as the world's ranks
+            assert_all(comm, sent_to == node_peers | members, (k, sent_to))  # booked as the world's ranks
 
     run_all(comm, body)
 
