@@ -47,7 +47,10 @@ flat and two-level differing by up to 0.17 s a step either way. D-PSGD (ring): 0
 2.140 two-level against 2.179 flat (another mixing matrix: spectral gap 0.667 against 0.195); D² the same bytes
 and times (final 2.190 against 2.226); CHOCO 4-bit 137.0 / 273.9 kB (0.5002: the target missed by the
 scale each shard's payload carries), modelled 0.22 -> 0.12 ms and 2.3 -> 1.2 ms, final 2.049 against 2.161;
-AllReduce-Adam as AllReduce-SGD (0.43, losses bit-identical).
+AllReduce-Adam as AllReduce-SGD (0.43, losses bit-identical); DCD 4-bit as CHOCO (137.0 / 273.9 kB, 0.5002,
+missed the same way; 0.22 -> 0.12 and 2.29 -> 1.20 ms; final 2.069 against 2.160); Moniqua's default 34.9 /
+69.1 kB (0.505: missed by the header and fingerprint each tensor part of a shard carries), 0.13 -> 0.07 and
+2.05 -> 0.99 ms, final 2.205 against 2.488.
 
 Writes docs/results/hierarchy.{md,json}; the runs go to bench/results/runs/hierarchy/ (reused unless --fresh).
 """
@@ -135,7 +138,7 @@ def gossip_note() -> str:
 
     nodes = RANKS // RANKS_PER_NODE
     flat, two_level = topology.ring(RANKS).spectral_gap(), topology.ring(nodes).spectral_gap()
-    return (f"Gossip methods (D-PSGD, D², CHOCO): the flat ring sends to both neighbours, booked between nodes; on "
+    return (f"Gossip methods (D-PSGD, D², CHOCO, DCD, Moniqua): the flat ring sends to both neighbours, booked between nodes; on "
             f"real nodes one neighbour shares the node, so the real flat inter-node bytes are half those booked, "
             f"about the two-level run's. The two-level gossip gains in mixing: its matrix (ring of {nodes} nodes ⊗ "
             f"node average) has spectral gap {two_level:.3f} against {flat:.3f} for the ring of {RANKS} ranks.")
