@@ -35,8 +35,9 @@ class MoniquaConfig(AlgorithmConfig):
     theta: a number > 0 (fixed), "observed" (default: from the recovered distances) or "adaptive" (the
     worst-case bound rule), see :mod:`.theta`. "observed" is the default because the bound rule's factor
     t_mix grows with the ring, widening theta's grid; on full MNIST (ResNet-8, 1,500 steps, 2 seeds) the
-    observed rule ends within 0.3 points of D-PSGD at 8 ranks, ring and exponential, with no wrap
-    (``docs/results/scale.md``, where the bound rule's row and 16 ranks are still to be run).
+    observed rule ends within 0.3 points of D-PSGD at 8 ranks (ring and exponential) and at 16 ranks on the
+    ring, with no wrap (``docs/results/scale.md``, where the bound rule's row and the 16-rank exponential
+    graph are still to be run).
     theta_per: "tensor" or "model" (one theta, the paper's).
     theta_c: C of the adaptive rule. theta_decay: per-step decay of its running step bound, in [0, 1].
     theta_shrink: the guard scale's factor on a clean step, in (0, 1]. theta_cap: the most the guard
