@@ -138,7 +138,8 @@ def gossip_note() -> str:
 
     nodes = RANKS // RANKS_PER_NODE
     flat, two_level = topology.ring(RANKS).spectral_gap(), topology.ring(nodes).spectral_gap()
-    return (f"Gossip methods (D-PSGD, D², CHOCO, DCD, Moniqua): the flat ring sends to both neighbours, booked between nodes; on "
+    return (f"Gossip methods (D-PSGD, D², CHOCO, DCD, Moniqua): the flat ring sends to both neighbours, booked "
+            f"between nodes; on "
             f"real nodes one neighbour shares the node, so the real flat inter-node bytes are half those booked, "
             f"about the two-level run's. The two-level gossip gains in mixing: its matrix (ring of {nodes} nodes ⊗ "
             f"node average) has spectral gap {two_level:.3f} against {flat:.3f} for the ring of {RANKS} ranks.")
