@@ -223,7 +223,7 @@ def two_levels(algo):
 
 
 @pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "dpsgd",
-                                  "pdsgdm", "choco"])
+                                  "pdsgdm", "choco", "dcd", "moniqua"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 

@@ -74,6 +74,7 @@ class DCD(Algorithm):
             self.node_gossip.mix_with(self.flat.data, 0, lambda shard, step: None)
         self.shard = self.node_gossip.shard_of(self.flat.data)
         self.gossip = SumGossip(self.node_gossip.graph, codec, self.shard, init)
+        self.before, self.mixed = torch.empty_like(self.shard), torch.empty_like(self.shard)  # reused every step
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
@@ -98,23 +99,23 @@ class DCD(Algorithm):
         t, node = self.step_count, self.node_gossip.node
         topo = self.node_gossip.graph.topology(t)
         weight = topo.self_weight(node)
-        before = self.shard.clone()
+        before = self.before.copy_(self.shard)
         if self.gossip.lossless:
-            mixed = gossip_average(before.clone(), self.gossip.models(before, t), weight,
-                                   topo.neighbor_weights(node))
+            gossip_average(self.mixed.copy_(before), self.gossip.models(before, t), weight,
+                           topo.neighbor_weights(node))
         else:
             own, total = self.gossip.pair_at(t)
-            mixed = torch.sub(before, own).mul_(weight).add_(total)
+            torch.sub(before, own, out=self.mixed).mul_(weight).add_(total)
         self._apply_update(update)
-        self.node_gossip.mix_with(self.flat.data, t, lambda shard, step: self._advance(shard, before, mixed))
+        self.node_gossip.mix_with(self.flat.data, t, self._advance)
 
-    def _advance(self, shard: torch.Tensor, before: torch.Tensor, mixed: torch.Tensor) -> None:
+    def _advance(self, shard: torch.Tensor, step: int) -> None:
         """``shard`` (the node's mean of ``y_a + u_i``) <- y_a^{t+1}: the mix plus the mean update, then (lossy
         codecs) the compressed difference sent and added to the own public copy."""
-        shard.sub_(before).add_(mixed)
+        shard.sub_(self.before).add_(self.mixed)
         if not self.gossip.lossless:
-            self.gossip.advance(shard, self.step_count + 1)
-            shard.copy_(self.gossip.pair_at(self.step_count + 1)[0])
+            self.gossip.advance(shard, step + 1)
+            shard.copy_(self.gossip.pair_at(step + 1)[0])
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "gossip": self.gossip.state_dict()}
