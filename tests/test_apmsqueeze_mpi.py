@@ -15,6 +15,7 @@ from mpicomm.comm import Communicator
 from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
+from .onebit_reference import NodeAverage
 
 pytestmark = pytest.mark.mpi
 
@@ -30,13 +31,16 @@ def sign_compress(x):
 
 
 def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                         deepspeed=False):
+                         deepspeed=False, ranks_per_node=None):
     """All n ranks in one process: Adam for ``warmup`` steps, then the two-sided 1-bit exchange.
 
     ``deepspeed``: DeepSpeed's 1-bit Adam instead (one worker scale over the padded vector, no bias
     correction). Returns, after every step, (x, m, worker errors (n, D), server errors (n, L)); server
-    k owns chunk k.
+    k owns chunk k. ``ranks_per_node``: the exchange in two levels over nodes of that many ranks (the
+    :class:`~tests.onebit_reference.NodeAverage`; the errors are then not returned).
     """
+    node_average = None if ranks_per_node is None else NodeAverage(n, ranks_per_node, initial_flat().numel(),
+                                                                    per_chunk=not deepspeed)
     c1 = (lambda t: 1.0) if deepspeed else (lambda t: 1 - beta1**t)
     c2 = (lambda t: 1.0) if deepspeed else (lambda t: 1 - beta2**t)
     x = initial_flat()
@@ -57,6 +61,11 @@ def reference_apmsqueeze(n, warmup, steps, lr, beta1=0.9, beta2=0.999, eps=1e-8,
         else:
             if denom is None:  # v frozen with the bias correction of step T_w
                 denom = v.sqrt() / math.sqrt(c2(warmup)) + eps
+            if node_average is not None:
+                m = node_average(torch.stack([beta1 * m + (1 - beta1) * g for g in grads]))
+                x = x - lr / c1(t) * m / denom
+                out.append((x, m, None, None))
+                continue
             sent = torch.zeros(n, D)
             for i in range(n):
                 u = torch.zeros(D)
@@ -117,6 +126,30 @@ def test_apmsqueeze_matches_reference_step_by_step(comm, weight_decay, variant):
             torch.testing.assert_close(algo.worker_error, e[rank], **tol, msg=f"worker error at step {t}")
             torch.testing.assert_close(algo.server_error, e_srv[rank], **tol, msg=f"server error at step {t}")
         assert expected[-1][2].abs().sum() > 0 and (n == 1 or expected[-1][3].abs().sum() > 0)
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("variant", ["paper", "deepspeed"])
+def test_two_levels_match_the_reference(comm, variant):
+    """Emulated nodes of 2 (and of 1): the warm-up's sum in two exact levels, then the 1-bit average between
+    nodes of each node's exact mean, per shard (a scale per chunk in the paper's form, one in DeepSpeed's)."""
+    def body():
+        n, rank, warmup, steps = comm.Get_size(), comm.Get_rank(), 3, 9
+        options = {"lr": 0.01, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.05}
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topo.ring(n), ranks_per_node=k)
+            algo = make_algorithm("apmsqueeze", make_model(seed=rank), c, warmup_steps=warmup, variant=variant,
+                                  hierarchical=True, **options)
+            expected = reference_apmsqueeze(n, warmup, steps, **options, deepspeed=variant == "deepspeed",
+                                            ranks_per_node=k)
+            for t, (x, m, _, _) in enumerate(expected, start=1):
+                train(algo, 1)
+                torch.testing.assert_close(algo.flat.data, x, rtol=1e-5, atol=1e-6, msg=f"x, k={k}, step {t}")
+                torch.testing.assert_close(algo.adam_state()["exp_avg"], m, rtol=1e-5, atol=1e-6,
+                                           msg=f"m, k={k}, step {t}")
+            shard, nodes = algo.two_level.hi - algo.two_level.lo, n // k  # the error buffers are the shard's
+            assert algo.worker_error.numel() == algo.padded == nodes * 8 * math.ceil(shard / (8 * nodes))
 
     run_all(comm, body)
 

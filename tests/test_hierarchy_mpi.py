@@ -106,7 +106,7 @@ def test_hierarchical_allreduce_sgd_equals_flat_and_float64(comm):
                                                ("lamb", ("onebit_lamb", {"freeze_step": 2}))])
 def test_hierarchical_adam_and_lamb_equal_flat(comm, name, warm_up_user):
     """AllReduce-Adam's and LAMB's two-level sum: the flat step to float32 summation order; auto on when two
-    levels differ; the 1-bit method whose warm-up runs the same code stays flat."""
+    levels differ, for the 1-bit method whose warm-up runs the same code too."""
     def body():
         n, rank = comm.Get_size(), comm.Get_rank()
         options = {"lr": 0.01, "weight_decay": 1e-2}
@@ -122,8 +122,9 @@ def test_hierarchical_adam_and_lamb_equal_flat(comm, name, warm_up_user):
                 if algo.two_level is None:
                     assert torch.equal(algo.flat.data, flat.flat.data), k
                 torch.testing.assert_close(algo.flat.data, flat.flat.data, rtol=1e-5, atol=1e-6)
-            user, user_options = warm_up_user
-            assert make_algorithm(user, make_model(), communicator(comm, k), lr=0.01, **user_options).two_level is None
+            user, user_options = warm_up_user  # the 1-bit method whose warm-up runs this code: the same choice
+            onebit = make_algorithm(user, make_model(), communicator(comm, k), lr=0.01, **user_options)
+            assert (onebit.two_level is None) == (auto.two_level is None), k
 
     run_all(comm, body)
 
@@ -207,10 +208,17 @@ def test_ledger_and_clock_per_link_class(comm, name):
     run_all(comm, body)
 
 
+ONEBIT_SCHEDULES = {  # each crosses into its compressed phase (and 0/1 Adam into its local steps) before step 4
+    "apmsqueeze": {"warmup_steps": 2},
+    "zeroone_adam": {"var_freeze_step": 5, "var_update_scaler": 1, "local_step_scaler": 1, "local_step_clipper": 2},
+    "onebit_lamb": {"freeze_step": 2},
+}
+
+
 def _run(comm, name, k, out_dir, **cfg):
     task = TinyTask(comm.Get_rank())
     c = communicator(comm, k)
-    algo = make_algorithm(name, task.model, c, hierarchical=True)
+    algo = make_algorithm(name, task.model, c, hierarchical=True, **ONEBIT_SCHEDULES.get(name, {}))
     config = TrainConfig(epochs=3, max_steps=8, lr=0.05, log_every=2, out_dir=out_dir, progress=False,
                          handle_signals=False, **cfg)
     summary = run_training(task, algo, config)
@@ -222,8 +230,9 @@ def two_levels(algo):
     return getattr(algo, "two_level", None) or getattr(algo, "node_gossip", None)
 
 
-@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "dpsgd",
-                                  "pdsgdm", "choco", "dcd", "moniqua"])
+@pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "hsq",
+                                  "apmsqueeze", "zeroone_adam", "onebit_lamb", "dpsgd", "pdsgdm", "choco", "dcd",
+                                  "moniqua"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 

@@ -45,6 +45,56 @@ def reference_hsq(n, steps, lr, momentum, weight_decay, seed, participation, mod
     return x
 
 
+def shard_sizes(lo, hi):
+    """The sizes of the parts of the model's tensors inside the flat range [lo, hi)."""
+    starts = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    return [min(hi, a + size) - max(lo, a) for a, size in zip(starts, SIZES) if min(hi, a + size) > max(lo, a)]
+
+
+def reference_two_level_hsq(n, k, steps, lr, momentum, seed, participation):
+    """Single-process two-level HSQ over nodes of k ranks: per shard j, node a's rank of local rank j compresses
+    the node's sum of shard j with a codec over the shard's tensor parts; average the participating nodes'
+    decodes in node order, divided by the nodes times k; torch-style momentum step."""
+    x = initial_flat()
+    d, nodes = x.numel(), n // k
+    counts = [d // k + (j < d % k) for j in range(k)]
+    bounds = [(sum(counts[:j]), sum(counts[:j + 1])) for j in range(k)]
+    codecs = [HSQCodec(shard_sizes(*bounds[r % k]), seed=codec_seed(seed, r), codebook_seed=seed, **OPTS)
+              for r in range(n)]
+    buf = None
+    for t in range(steps):
+        chosen = participants(seed, t, nodes, participation)
+        grads = [grad_at(x, r, t) for r in range(n)]
+        avg = torch.zeros_like(x)
+        for j, (lo, hi) in enumerate(bounds):
+            for a in chosen:
+                node_sum = sum(grads[a * k + i][lo:hi] for i in range(k))
+                avg[lo:hi] += codecs[a * k + j].roundtrip(node_sum)
+            avg[lo:hi] /= len(chosen) * k
+        buf = avg.clone() if buf is None else buf.mul_(momentum).add_(avg)
+        x = x.add(buf, alpha=-lr)
+    return x
+
+
+@pytest.mark.parametrize("aggregation,participation", [("allgather", 1.0), ("server", 1.0), ("allgather", 0.5)])
+def test_two_level_hsq_matches_reference(comm, aggregation, participation):
+    """Emulated nodes of 2 (and of 1): node sums per shard, quantized between nodes; nodes as participants."""
+    def body():
+        n = comm.Get_size()
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, ring(n), ranks_per_node=k)
+            algo = make_algorithm("hsq", make_model(seed=comm.Get_rank()), c, lr=0.1, momentum=0.9, seed=3,
+                                  aggregation=aggregation, participation=participation, hierarchical=True, **OPTS)
+            assert algo.two_level is not None
+            train(algo, 5)
+            expected = reference_two_level_hsq(n, k, 5, 0.1, 0.9, 3, participation)
+            torch.testing.assert_close(algo.flat.data, expected, rtol=1e-6, atol=1e-7, msg=f"k={k}")
+            assert algo.payload_bytes == formula_bytes(shard_sizes(algo.two_level.lo, algo.two_level.hi), d=16, k=32,
+                                                       n_bit=4, min_compress=10)
+
+    run_all(comm, body)
+
+
 @pytest.mark.parametrize("mode,participation", [("greedy", 1.0), ("unbiased", 1.0), ("greedy", 0.5)])
 def test_hsq_matches_single_process_reference(comm, mode, participation):
     def body():

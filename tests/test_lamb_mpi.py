@@ -13,7 +13,7 @@ from mpicomm.comm import Communicator
 from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
-from .onebit_reference import onebit_average
+from .onebit_reference import FlatAverage, NodeAverage
 
 pytestmark = pytest.mark.mpi
 
@@ -25,12 +25,12 @@ def _comm(comm):
 
 
 def reference(n, steps, freeze, lr, b1, b2, eps, wd, max_coeff=10.0, min_coeff=0.01, cb=0.9, fmax=4.0, fmin=0.5,
-              fth=0.1):
-    """All ranks: LAMB for ``freeze`` steps (all of them if None), then 1-bit LAMB. Returns x after every step."""
+              fth=0.1, ranks_per_node=None):
+    """All ranks: LAMB for ``freeze`` steps (all of them if None), then 1-bit LAMB. Returns x after every step.
+    ``ranks_per_node``: the 1-bit average in two levels over nodes of that many ranks."""
     x = initial_flat()
     d = x.numel()
-    L = 8 * math.ceil(d / (8 * n))
-    e, e_srv = torch.zeros(n, n * L), torch.zeros(n, L)
+    onebit = FlatAverage(n, d) if ranks_per_node is None else NodeAverage(n, ranks_per_node, d)
     m, v, v_fresh = torch.zeros(d), torch.zeros(d), None
     rbar, last, scaling, out = [0.0] * 4, [1.0] * 4, None, []
     for t in range(1, steps + 1):
@@ -54,7 +54,7 @@ def reference(n, steps, freeze, lr, b1, b2, eps, wd, max_coeff=10.0, min_coeff=0
                 rms = [m[lo:hi].norm().item() / math.sqrt(hi - lo) for lo, hi in LAYERS]
                 scaling = torch.cat([torch.full((hi - lo,), sum(rms) / 4 / r) for (lo, hi), r in zip(LAYERS, rms)])
             m_prev = m
-            m = onebit_average((b1 * m + (1 - b1) * grads) * scaling, e, e_srv) / scaling
+            m = onebit((b1 * m + (1 - b1) * grads) * scaling) / scaling
             g_rec = (m - b1 * m_prev) / (1 - b1)
             v_fresh = b2 * v_fresh + (1 - b2) * g_rec * g_rec
             denom, fresh = v.sqrt() + eps, v_fresh.sqrt() + eps
@@ -104,6 +104,24 @@ def test_onebit_lamb_matches_reference(comm, wd):
             train(algo, 1)
             torch.testing.assert_close(algo.flat.data, x, rtol=1e-5, atol=1e-6, msg=f"x after step {t}")
         assert algo.stats()["phase"] == "compression" and algo.onebit.worker_error.abs().sum() > 0
+
+    run_all(comm, body)
+
+
+def test_two_level_onebit_lamb_matches_reference(comm):
+    """Emulated nodes of 2 (and of 1): LAMB's sum in two exact levels, then 1-bit averages of node means per shard."""
+    def body():
+        n, freeze, steps = comm.Get_size(), 4, 10
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topo.ring(n), ranks_per_node=k)
+            algo = make_algorithm("onebit_lamb", make_model(seed=comm.Get_rank()), c, freeze_step=freeze,
+                                  weight_decay=0.01, hierarchical=True, **OPTIONS)
+            assert algo.two_level is not None
+            expected = reference(n, steps, freeze, OPTIONS["lr"], OPTIONS["beta1"], OPTIONS["beta2"],
+                                 OPTIONS["eps"], 0.01, ranks_per_node=k)
+            for t, x in enumerate(expected, start=1):
+                train(algo, 1)
+                torch.testing.assert_close(algo.flat.data, x, rtol=1e-5, atol=1e-6, msg=f"k={k}, step {t}")
 
     run_all(comm, body)
 

@@ -14,7 +14,7 @@ from mpicomm.comm import Communicator
 from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
-from .onebit_reference import onebit_average
+from .onebit_reference import FlatAverage, NodeAverage
 
 pytestmark = pytest.mark.mpi
 
@@ -28,17 +28,17 @@ def _comm(comm):
     return Communicator(comm, topo.ring(comm.Get_size()))
 
 
-def reference(n, steps, lr, beta1, beta2, eps, wd, compression):
-    """All ranks of 0/1 Adam under SCHEDULE (kinds from KINDS); returns each rank's x after every step."""
+def reference(n, steps, lr, beta1, beta2, eps, wd, compression, ranks_per_node=None):
+    """All ranks of 0/1 Adam under SCHEDULE (kinds from KINDS); returns each rank's x after every step.
+    ``ranks_per_node``: the 1-bit averages in two levels over nodes of that many ranks."""
     x = initial_flat().repeat(n, 1)
     d = x.shape[1]
-    L = 8 * math.ceil(d / (8 * n))
-    e, e_srv = torch.zeros(n, n * L), torch.zeros(n, L)
+    onebit = FlatAverage(n, d) if ranks_per_node is None else NodeAverage(n, ranks_per_node, d)
     m, v = torch.zeros(n, d), torch.zeros(d)
     u, synced, lrs, decay, denom, out = torch.zeros(n, d), None, 0.0, 1.0, None, []
 
     def average(rows):
-        return onebit_average(rows, e, e_srv) if compression else rows.mean(0)
+        return onebit(rows) if compression else rows.mean(0)
 
     for t in range(1, steps + 1):
         grads = torch.stack([grad_at(x[r], r, t - 1) for r in range(n)])
@@ -51,8 +51,7 @@ def reference(n, steps, lr, beta1, beta2, eps, wd, compression):
             x = x * (1 - lr * wd) - lr * m / (v.sqrt() + eps)
             if t == SCHEDULE["var_freeze_step"]:
                 denom, synced = v.sqrt() + eps, x[0].clone()
-                e.zero_()
-                e_srv.zero_()
+                onebit.reset()
         else:
             m = beta1 * m + (1 - beta1) * grads
             x = x * (1 - lr * wd) - lr * m / denom
@@ -81,6 +80,26 @@ def test_matches_all_ranks_reference(comm, compression, wd):
             assert algo.stats()["last_kind"] == KINDS[t - 1]
             torch.testing.assert_close(algo.flat.data, x[rank], rtol=1e-5, atol=1e-6, msg=f"x after step {t}")
         assert compression is False or algo.onebit.worker_error.abs().sum() > 0
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("compression", [True, False])
+def test_two_levels_match_the_all_ranks_reference(comm, compression):
+    """Emulated nodes of 2 (and of 1): exact means in two levels, 1-bit averages of node means per shard."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        options = {"lr": 0.01, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.02}
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topo.ring(n), ranks_per_node=k)
+            algo = make_algorithm("zeroone_adam", make_model(seed=rank), c, compression=compression,
+                                  hierarchical=True, **SCHEDULE, **options)
+            assert algo.two_level is not None
+            expected = reference(n, 16, options["lr"], options["beta1"], options["beta2"], options["eps"],
+                                 options["weight_decay"], compression, ranks_per_node=k)
+            for t, x in enumerate(expected, start=1):
+                train(algo, 1)
+                torch.testing.assert_close(algo.flat.data, x[rank], rtol=1e-5, atol=1e-6, msg=f"k={k}, step {t}")
 
     run_all(comm, body)
 

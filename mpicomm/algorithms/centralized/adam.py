@@ -25,7 +25,7 @@ averaged gradient goes to ``opt.step()`` instead of the built-in AdamW (then ``l
 ``hierarchical`` (auto: on over several nodes of several ranks) sums g in two levels, as AllReduce-SGD does
 (:mod:`~mpicomm.algorithms.shared.hierarchy`): reduce-scatter inside the node, allreduce of each local
 rank's shard between nodes, allgather inside the node. Every sum is exact, so the step is the flat one up
-to the order of float32 additions. (APMSqueeze's warm-up, which runs this code, stays flat.)
+to the order of float32 additions. APMSqueeze's warm-up runs this code, two levels included.
 """
 
 from __future__ import annotations
@@ -91,13 +91,16 @@ class AllReduceAdam(Algorithm):
 
     def _adam_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
-        (self.comm if self.two_level is None else self.two_level).allreduce(grad)
-        grad.div_(self.comm.size)
+        self._sum_over_ranks(grad).div_(self.comm.size)
         self._clip(grad)
         if not self.user_optimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
         self.optimizer.step()
+
+    def _sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
+        """Collective: ``v`` <- its exact sum over all ranks, in place (flat or in two levels); returns ``v``."""
+        return (self.comm if self.two_level is None else self.two_level).allreduce(v)
 
     def adam_state(self) -> dict[str, torch.Tensor]:
         """The live Adam buffers ``{"exp_avg": m, "exp_avg_sq": v, "step": t}`` (empty before the first step)."""

@@ -13,6 +13,19 @@ Step t, with S_t the participating ranks (all unless ``participation`` < 1) and 
 Aggregation "allgather" (every rank decodes) or "server" (rank 0 decodes and broadcasts g_bar). Every
 rank applies the same g_bar, so the models stay identical. ``optimizer=`` and ``clip_grad_norm_`` are
 refused. Participation, seeds and wire bytes: ``docs/algorithms/hsq.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+with L ranks on each of N nodes, rank (node a, local j) quantizes s_a, the node's exact sum of shard j of the
+gradient (reduce-scatter inside the node), with an HSQ codec over the shard's parts of the layers (chunks
+start again at the shard's edges), exchanges it among the N ranks of local rank j, and the node allgathers
+the shards of::
+
+    g_bar[shard j] = (1/(|S_t| L)) sum_{a in S_t} decode(Q_a(s_a))   +  weight_decay * x
+
+S_t are then nodes (``participation`` draws nodes; "server" decodes on node 0's rank of each shard). The
+encoder sees N vectors, each the sum of L gradients: HSQ's unbiased mode stays unbiased
+(E[Q(s_a)] = s_a, Dai et al. 2019, Lemma 1, applied per chunk) and its variance bound counts N quantized
+vectors instead of n.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ import torch
 
 from ...codecs.hsq import HSQCodec, check_hsq_options
 from ...comm import raise_together
-from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from ..base import Algorithm, check_range, clone_optimizer_state
+from ..shared.hierarchy import HierarchicalConfig, shard_layers, two_level_for
 
 __all__ = ["AGGREGATIONS", "HSQ", "HSQConfig", "codec_seed", "participants"]
 
@@ -46,13 +60,14 @@ def participants(seed: int, step: int, size: int, participation: float) -> list[
 
 
 @dataclass(frozen=True)
-class HSQConfig(AlgorithmConfig):
+class HSQConfig(HierarchicalConfig):
     """HSQ options (see :class:`~mpicomm.codecs.hsq.HSQCodec`).
 
     d: chunk dimension. K: codebook size (None: 256 for gaussian/kmeans, d for orthonormal/rotation/
     identity). codebook: one of ``CODEBOOKS``. mode: ``"greedy"`` or ``"unbiased"``. n_bit: bits per
     quantized norm (1..8). min_compress: layers with at most this many parameters travel as float32.
-    aggregation: ``"allgather"`` or ``"server"``. participation: fraction of ranks contributing per step.
+    aggregation: ``"allgather"`` or ``"server"``. participation: fraction of ranks (nodes, in two levels)
+    contributing per step. hierarchical: see :class:`~mpicomm.algorithms.shared.hierarchy.HierarchicalConfig`.
     """
 
     d: int = 16
@@ -84,8 +99,12 @@ class HSQ(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         cfg = self.config
+        self.two_level = two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
+        levels = self.two_level
+        layers = self.flat.layers if levels is None else shard_layers(self.flat.layers, levels.lo, levels.hi)
+        numel = self.flat.numel if levels is None else levels.hi - levels.lo
         self.codec = HSQCodec(
-            self.flat.layers, d=cfg.d, K=cfg.K, codebook=cfg.codebook, mode=cfg.mode, n_bit=cfg.n_bit,
+            layers, d=cfg.d, K=cfg.K, codebook=cfg.codebook, mode=cfg.mode, n_bit=cfg.n_bit,
             min_compress=cfg.min_compress, seed=codec_seed(cfg.seed, comm.rank), codebook_seed=cfg.seed,
         )
         digests = comm.allgather_object(self.codec.codebook_digest(), "the check that every rank built one codebook")
@@ -94,27 +113,38 @@ class HSQ(Algorithm):
             error = ValueError(f"HSQ codebooks differ across ranks (SHA-256 by rank: {digests}); every rank "
                                "must run the same torch build to build the same seeded codebook")
         raise_together(comm, error)
-        self.payload_bytes = self.codec.payload_bytes(self.flat.numel)
+        self.payload_bytes = self.codec.payload_bytes(numel)
         self._zeros = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=self.flat.data.device)
-        self._decoded = torch.empty(self.flat.numel, dtype=torch.float32, device=self.flat.data.device)
+        self._decoded = torch.empty(numel, dtype=torch.float32, device=self.flat.data.device)
         self.last_participants: list[int] = []
         self.optimizer = self._local_sgd()
 
     def _step(self, grad: torch.Tensor) -> None:
-        cfg, rank = self.config, self.comm.rank
-        chosen = participants(cfg.seed, self.step_count, self.comm.size, cfg.participation)
-        self.last_participants = chosen
-        payload = self.codec.encode(grad) if rank in chosen else self._zeros
-        gathered = self.comm.allgather(payload)
-        if cfg.aggregation == "allgather" or rank == 0:
-            grad.zero_()
-            for r in chosen:
-                grad.add_(self.codec.decode(gathered[r], self.flat.numel, out=self._decoded))
-            grad.div_(len(chosen))
-        if cfg.aggregation == "server":
-            self.comm.bcast(grad, root=0)
+        levels = self.two_level
+        if levels is None:
+            self._average(self.comm, grad, 1)
+        else:
+            shard = levels.reduce(grad)
+            self._average(levels.cross, shard, levels.layout.local_size)
+            levels.spread(grad, shard)
         self._decayed(grad)
         self._sgd_step(self.optimizer, self.lr)
+
+    def _average(self, comm, vec: torch.Tensor, summed: int) -> None:
+        """Collective over ``comm``: ``vec`` <- (1/(|S| summed)) sum_{r in S} decode(Q_r(vec_r)), S this step's
+        participants among ``comm``'s ranks, each ``vec_r`` a sum of ``summed`` gradients."""
+        cfg, rank = self.config, comm.rank
+        chosen = participants(cfg.seed, self.step_count, comm.size, cfg.participation)
+        self.last_participants = chosen
+        payload = self.codec.encode(vec) if rank in chosen else self._zeros
+        gathered = comm.allgather(payload)
+        if cfg.aggregation == "allgather" or rank == 0:
+            vec.zero_()
+            for r in chosen:
+                vec.add_(self.codec.decode(gathered[r], vec.numel(), out=self._decoded))
+            vec.div_(len(chosen) * summed)
+        if cfg.aggregation == "server":
+            comm.bcast(vec, root=0)
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "codec": self.codec.state_dict()}

@@ -11,6 +11,10 @@ step T_w + 1 on, v is frozen and, on rank i::
     m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average
     x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = sqrt(v_Tw) / sqrt(1 - b2^T_w) + eps
 
+``hierarchical`` (auto: on over several nodes of several ranks): the warm-up's sum in two exact levels (as
+AllReduce-Adam) and the 1-bit average between nodes of each node's exact mean, per local rank's shard
+(:class:`~mpicomm.algorithms.onebit.average.NodeOneBitAverage`): the method over N node-workers.
+
 ``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
 ``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
 ``docs/algorithms/apmsqueeze.md``.
@@ -23,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_range
-from ..centralized.adam import AdamConfig, AllReduceAdam
-from .average import OneBitAverage, check_float32
+from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
+from .average import check_float32, onebit_average_for
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
@@ -39,8 +43,8 @@ def _check_count(name: str, value) -> None:
 
 
 @dataclass(frozen=True)
-class APMSqueezeConfig(AdamConfig):
-    """Adam options plus the warm-up, which must leave at least one compression step.
+class APMSqueezeConfig(AllReduceAdamConfig):
+    """Adam options plus the warm-up, which must leave at least one compression step, and hierarchical.
 
     warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
     a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
@@ -100,7 +104,8 @@ class APMSqueeze(AllReduceAdam):
         check_float32(self.name, self.flat.data)
         self.warmup = self.config.warmup
         self.deepspeed = self.config.variant == "deepspeed"
-        self.onebit = OneBitAverage(self.comm, self.flat.numel, self.flat.data.device, one_worker_scale=self.deepspeed)
+        self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, self.flat.data.device,
+                                         one_worker_scale=self.deepspeed)
         self._frozen = False
         self._last_ops = dict.fromkeys(_OPS, 0)
 
@@ -129,8 +134,7 @@ class APMSqueeze(AllReduceAdam):
             super()._adam_step(grad)
             return
         cfg, x = self.config, self.flat.data
-        self.comm.allreduce(grad)
-        grad.div_(self.comm.size)
+        self._sum_over_ranks(grad).div_(self.comm.size)
         state = self.optimizer.state[self.param]
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(x), exp_avg_sq=torch.zeros_like(x))

@@ -21,6 +21,15 @@ P (sends (n - 1) P). Every buffer (2 D + 2 L floats: u, e_i, the server sum and 
 as the server's decode scratch; (3 n + 1) P bytes, plus one D-element payload for one_worker_scale) is
 allocated at construction; the codec's own per-call temporaries are the same
 in every call.
+
+Two levels (:class:`NodeOneBitAverage`, ``hierarchical`` of the 1-bit methods; with ``L`` ranks on each of
+``N`` nodes): rank (node a, local j) computes its shard j of the node's exact mean
+``w_a = (1/L) sum_{i on a} u_i`` (reduce-scatter inside the node, full precision), runs the average above on
+it among the N ranks of local rank j (one per node, so all L NICs of a node carry 1/L of the traffic), and
+the node's ranks allgather the N-way results. The result is the 1-bit average over N workers whose inputs are
+node means: the two-sided error-compensated argument of Tang et al. (2021, Theorem 1) holds with n = N
+workers, each error buffer now shard-sized and per node; the exact intra-node mean only lowers the variance
+of what each worker compresses.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from __future__ import annotations
 import torch
 
 from ...codecs import SignCodec
+from ..shared.hierarchy import TwoLevel
 
-__all__ = ["OneBitAverage", "check_float32"]
+__all__ = ["NodeOneBitAverage", "OneBitAverage", "check_float32", "onebit_average_for"]
 
 
 def check_float32(algorithm: str, params: torch.Tensor) -> None:
@@ -121,3 +131,48 @@ class OneBitAverage:
                 )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
+
+
+class NodeOneBitAverage:
+    """Two-level 1-bit average: the node's exact mean of this rank's shard, :class:`OneBitAverage` of it between
+    nodes, every shard back inside the node (see the module docstring). Same interface as OneBitAverage."""
+
+    def __init__(self, levels: TwoLevel, numel: int, device, one_worker_scale: bool = False):
+        self.levels, self.numel = levels, numel
+        self.ranks_per_node = levels.layout.local_size
+        self.between = OneBitAverage(levels.cross, levels.hi - levels.lo, device, one_worker_scale)
+        self._u = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    worker_error = property(lambda self: self.between.worker_error, doc="This rank's worker error (shard, padded).")
+    server_error = property(lambda self: self.between.server_error, doc="The server error of the chunk I serve.")
+    chunk = property(lambda self: self.between.chunk, doc="L, the elements per chunk of the shard's average.")
+    padded = property(lambda self: self.between.padded, doc="The padded shard length.")
+    chunk_payload = property(lambda self: self.between.chunk_payload, doc="Bytes of one chunk's payload.")
+
+    @property
+    def input(self) -> torch.Tensor:
+        """The d-element vector to write u_i into before :meth:`average` (overwritten by the result)."""
+        return self._u
+
+    def average(self) -> torch.Tensor:
+        """Collective: the two-level compressed average of every rank's :attr:`input`; returns :attr:`input`."""
+        levels = self.levels
+        levels.node.reduce_scatter(self._u, levels.counts, out=self.between.input).div_(self.ranks_per_node)
+        return levels.spread(self._u, self.between.average())
+
+    def state_dict(self) -> dict:
+        """Copies of both error buffers (shard-sized)."""
+        return self.between.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; ValueError if the shapes say another layout, rank count or model."""
+        self.between.load_state_dict(state)
+
+
+def onebit_average_for(levels: TwoLevel | None, comm, numel: int, device,
+                       one_worker_scale: bool = False) -> OneBitAverage | NodeOneBitAverage:
+    """The 1-bit average of a ``numel`` vector: flat over ``comm`` (``levels`` None) or in two ``levels``."""
+    if levels is None:
+        return OneBitAverage(comm, numel, device, one_worker_scale)
+    return NodeOneBitAverage(levels, numel, device, one_worker_scale)
+

@@ -12,8 +12,10 @@ then v is frozen and, on rank i (the error-compensated 1-bit average of :mod:`.a
     f_l = max_j (sqrt(v_l) + eps)_j / (sqrt(v_fresh_l) + eps)_j, clipped and rate-limited
     x_l <- x_l - lr rbar_l f_l (m_l / (sqrt(v_l) + eps) + wd x_l)
 
-Per step: one fp32 allreduce while warming up, then one 1-bit average. Differences from DeepSpeed's code
-and the weight-decay form of f_l: ``docs/algorithms/centralized.md``.
+Per step: one fp32 allreduce while warming up, then one 1-bit average. ``hierarchical`` (auto: on over
+several nodes of several ranks): the allreduce in two exact levels, the 1-bit average between nodes of each
+node's exact mean per local rank's shard (:class:`~mpicomm.algorithms.onebit.average.NodeOneBitAverage`).
+Differences from DeepSpeed's code and the weight-decay form of f_l: ``docs/algorithms/centralized.md``.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_int, check_range
-from ..centralized.lamb import LAMB, LAMBConfig
-from .average import OneBitAverage, check_float32
+from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
+from .average import check_float32, onebit_average_for
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
 
 
 @dataclass(frozen=True)
-class OneBitLAMBConfig(LAMBConfig):
-    """LAMB options plus the warm-up length and the factor clip of the compression stage.
+class OneBitLAMBConfig(LAMBTwoLevelConfig):
+    """LAMB options plus the warm-up length and the factor clip of the compression stage, and hierarchical.
 
     freeze_step: LAMB steps before the variance freezes and compression starts, >= 1. factor_min: the
     smallest scaling factor f_l of the frozen ratio. factor_max: the largest, >= factor_min.
@@ -64,7 +66,7 @@ class OneBitLAMB(LAMB):
         check_float32(self.name, self.flat.data)
         x = self.flat.data
         self.v_fresh, self.m_prev, self.scaling = (torch.zeros_like(x) for _ in range(3))
-        self.onebit = OneBitAverage(self.comm, self.flat.numel, x.device, one_worker_scale=True)
+        self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, x.device, one_worker_scale=True)
         self.last_factor = torch.ones(len(self.layers), dtype=torch.float64)
         self._scaled = False
 

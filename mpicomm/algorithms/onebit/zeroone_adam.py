@@ -13,6 +13,10 @@ Step t on rank i (Avg the error-compensated 1-bit average of :mod:`.average`; th
     phase 2: v frozen; local steps x_i <- x_i (1 - lr wd) - lr m_i / denom, u_i <- u_i + lr m_i
       sync step (t mod I_u == 0):  ubar = Avg(u_i);  m <- ubar / sum(lr);  x <- c x_s - ubar / denom
 
+``hierarchical`` (auto: on over several nodes of several ranks): the exact means in two levels, the 1-bit
+averages between nodes of each node's exact mean per local rank's shard
+(:class:`~mpicomm.algorithms.onebit.average.NodeOneBitAverage`): Algorithm 1 over N node-workers.
+
 ``optimizer=`` and ``clip_grad_norm_`` are refused. The schedules, the differences from DeepSpeed's
 code and the bytes per step: ``docs/algorithms/zeroone_adam.md``.
 """
@@ -25,7 +29,8 @@ import torch
 
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
-from .average import OneBitAverage, check_float32
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
+from .average import check_float32, onebit_average_for
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -33,8 +38,8 @@ KINDS = ("variance", "compressed", "local", "sync")
 
 
 @dataclass(frozen=True)
-class ZeroOneAdamConfig(AdamConfig):
-    """Adam options plus the schedules (DeepSpeed's names and defaults).
+class ZeroOneAdamConfig(HierarchicalConfig, AdamConfig):
+    """Adam options plus the schedules (DeepSpeed's names and defaults), and hierarchical.
 
     var_freeze_step: steps with variance updates before v is frozen and local steps begin. var_update_scaler:
     variance steps after which their interval doubles (kappa). local_step_scaler: steps after which the
@@ -72,7 +77,8 @@ class ZeroOneAdam(Algorithm):
         x = self.flat.data
         self.m, self.v, self.u, self.synced = (torch.zeros_like(x) for _ in range(4))
         self._denom = torch.zeros_like(x)
-        self.onebit = OneBitAverage(self.comm, self.flat.numel, x.device, one_worker_scale=True)
+        self.two_level = two_level_for(self.config, comm, self.flat.numel, x)
+        self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, x.device, one_worker_scale=True)
         self.schedule = {"var_interval": 1, "var_counter": 0, "local_interval": 1, "local_counter": 0,
                          "lrs": 0.0, "decay": 1.0}
         self.counts = dict.fromkeys(KINDS, 0)
@@ -88,9 +94,13 @@ class ZeroOneAdam(Algorithm):
     def _average(self, vec: torch.Tensor) -> torch.Tensor:
         """``vec`` <- the average over ranks (1-bit with error feedback, or exact without compression)."""
         if not self.config.compression:
-            return self.comm.allreduce(vec).div_(self.comm.size)
+            return self._sum_over_ranks(vec).div_(self.comm.size)
         self.onebit.input.copy_(vec)
         return vec.copy_(self.onebit.average())
+
+    def _sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
+        """Collective: ``v`` <- its exact sum over all ranks, in place (flat or in two levels); returns ``v``."""
+        return (self.comm if self.two_level is None else self.two_level).allreduce(v)
 
     def _step(self, grad: torch.Tensor) -> None:
         cfg, s, x = self.config, self.schedule, self.flat.data
@@ -99,7 +109,7 @@ class ZeroOneAdam(Algorithm):
         self.counts[kind] += 1
         if kind in ("variance", "compressed"):
             if kind == "variance":
-                self.comm.allreduce(grad).div_(self.comm.size)
+                self._sum_over_ranks(grad).div_(self.comm.size)
                 self.m.lerp_(grad, 1 - cfg.beta1)
                 self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
             else:
