@@ -54,10 +54,15 @@ def test_two_level_dpsgd_matches_float64_reference_step_by_step(comm, kind):
     run_all(comm, body)
 
 
-# every method with the two-level gossip, with options that reach its paths (PD-SGDM: a round every second
-# step, the momentum buffers mixed too)
+# every method with the two-level gossip whose round is linear, with options that reach its paths (PD-SGDM: a
+# round every second step, the momentum buffers mixed too; PowerGossip at full rank, where its low-rank
+# differences are exact; Moniqua-D² lossless)
 METHODS = {"dpsgd": OPTIONS, "d2": OPTIONS,
-           "pdsgdm": {**OPTIONS, "momentum": 0.9, "period": 2, "order": "cta", "average_momentum": True}}
+           "pdsgdm": {**OPTIONS, "momentum": 0.9, "period": 2, "order": "cta", "average_momentum": True},
+           "powergossip": {**OPTIONS, "momentum": 0.9, "rank": 8, "min_compression_rate": 0.0, "order": "cta",
+                           "epsilon": 0.0, "broadcast_init": False},  # ranks apart: no zero difference
+           "moniqua_d2": {**OPTIONS, "bits": 32, "parts": 1, "gamma": 1.0}}
+TOLERANCE = {"powergossip": {"rtol": 1e-5, "atol": 1e-5}}  # QR of each difference: not a sum's rounding
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
@@ -87,7 +92,8 @@ def test_two_level_equals_flat_on_its_matrix_and_one_rank_per_node_is_flat(comm,
                                         hierarchical=False, **options)
             train(forced, 5)
             train(same_maths, 5)
-            torch.testing.assert_close(forced.flat.data, same_maths.flat.data, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(forced.flat.data, same_maths.flat.data,
+                                       **TOLERANCE.get(name, {"rtol": 1e-5, "atol": 1e-7}))
             if not np.allclose(matrix.W, topo.ring(n).W):  # another mixing matrix than the flat ring's
                 assert not torch.allclose(forced.flat.data, flat.flat.data, rtol=1e-4), k
 
@@ -190,15 +196,16 @@ def test_two_level_dcd_matches_float64_reference_step_by_step(comm, codec):
     run_all(comm, body)
 
 
-def test_two_level_moniqua_with_one_rank_per_node_is_flat_moniqua(comm):
+@pytest.mark.parametrize("name", ["moniqua", "moniqua_d2"])
+def test_two_level_moniqua_with_one_rank_per_node_is_flat_moniqua(comm, name):
     """One rank per node: each shard is the whole model, the node's average and its largest step are the rank's
-    own, so two-level Moniqua (default options: 4 bits on rotating quarters, observed theta, dither, guard) is
-    flat Moniqua bit for bit; auto leaves that layout flat."""
+    own, so two-level Moniqua and Moniqua-D² (default options: 4 bits on rotating quarters, observed theta,
+    dither, guard) are their flat selves bit for bit; auto leaves that layout flat."""
     def body():
         rank = comm.Get_rank()
-        flat = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), hierarchical=False, lr=0.1)
-        auto = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), lr=0.1)
-        forced = make_algorithm("moniqua", make_model(seed=rank), communicator(comm, 1), hierarchical=True, lr=0.1)
+        flat = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), hierarchical=False, lr=0.1)
+        auto = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), lr=0.1)
+        forced = make_algorithm(name, make_model(seed=rank), communicator(comm, 1), hierarchical=True, lr=0.1)
         assert auto.node_gossip is None and forced.node_gossip is not None
         for algo in (flat, auto, forced):
             train(algo, 6)
@@ -251,7 +258,7 @@ def test_two_level_moniquas_step_statistic_is_the_largest_on_the_node(comm):
             algo = make_algorithm("moniqua", make_model(seed=0), communicator(comm, k), hierarchical=True, lr=lr,
                                   momentum=0.0)
             base = torch.linspace(-1.0, 2.0, algo.flat.numel)
-            got = algo._node_step_sizes(base * (rank + 1), None)
+            got = algo.node_modulo.step_sizes(base * (rank + 1), lr, algo.optimizer)
             lo, hi = algo.node_gossip.levels.lo, algo.node_gossip.levels.hi
             last = rank - rank % k + k  # the node's last rank, plus one
             expected = [lr * last * float(base[lo + part.offset:lo + part.offset + part.numel].abs().max())

@@ -231,8 +231,8 @@ def two_levels(algo):
 
 
 @pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "hsq",
-                                  "apmsqueeze", "zeroone_adam", "onebit_lamb", "dpsgd", "pdsgdm", "choco", "dcd",
-                                  "moniqua"])
+                                  "apmsqueeze", "zeroone_adam", "onebit_lamb", "powersgd", "dpsgd", "pdsgdm",
+                                  "choco", "dcd", "moniqua", "moniqua_d2", "powergossip"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 

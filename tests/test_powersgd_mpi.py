@@ -2,6 +2,7 @@
 full rank == AllReduce-SGD, exact bytes, convergence on a matrix least-squares problem, state, config."""
 
 import datetime
+import math
 import os
 
 import pytest
@@ -271,5 +272,69 @@ def test_bad_config_fails_on_every_rank(comm, option, message):
     def body():
         with pytest.raises(ValueError, match=message):
             make_algorithm("powersgd", make_model(), _comm(comm), **option)
+
+    run_all(comm, body)
+
+
+# ------------------------------------------------------------------ two levels over emulated nodes
+GROUPS = {1: [[(0, (8, 6)), (48, (8,)), (56, (3, 8)), (80, (3,))]],  # the MLP's tensors, by local rank at k ranks
+          2: [[(0, (8, 6))], [(48, (8,)), (56, (3, 8)), (80, (3,))]]}  # per node: 48 | 35 whole-tensor elements
+
+
+def reference_two_level_powersgd(n, k, steps, lr, momentum, seed):
+    """All ranks, rank-1 PowerSGD in two levels: per group of whole tensors (GROUPS[k]), node a's M_a = its sum
+    of the group's gradients + e_a; P = sum_a M_a Q̂; Q_a = M_a^T P̂; e_a = M_a - P̂ Q_a^T; Q = sum_a Q_a / n;
+    Delta = P̂ Q^T for each matrix (rate 2 compresses (8, 6) and (3, 8)), sum_a M_a / n for the vectors."""
+    x, buf, nodes = initial_flat(), None, n // k
+    qs = []
+    for group in GROUPS[k]:  # each group's generator draws its matrices' Q in order
+        gen = torch.Generator().manual_seed(seed)
+        qs.append({off: torch.randn(shape[1], 1, generator=gen) for off, shape in group if len(shape) == 2})
+    errors = {(a, off): torch.zeros(shape) for a in range(nodes) for group in GROUPS[k] for off, shape in group}
+    for t in range(steps):
+        grads = [grad_at(x, r, t) for r in range(n)]
+        delta = torch.zeros_like(x)
+        for group, q_of in zip(GROUPS[k], qs):
+            for off, shape in group:
+                size = math.prod(shape)
+                m = [sum(grads[a * k + i][off:off + size] for i in range(k)).view(shape) + errors[(a, off)]
+                     for a in range(nodes)]
+                if len(shape) == 1:
+                    delta[off:off + size] = sum(m) / n
+                    continue
+                q_hat = q_of[off] / q_of[off].norm()
+                p = sum(mi @ q_hat for mi in m)
+                p_hat = p / p.norm()
+                q_nodes = [mi.t() @ p_hat for mi in m]
+                for a in range(nodes):
+                    errors[(a, off)] = m[a] - p_hat @ q_nodes[a].t()
+                q_of[off] = sum(q_nodes) / n
+                delta[off:off + size] = (p_hat @ q_of[off].t()).reshape(-1)
+            for off, shape in group:  # vectors carry no error: they are sent whole
+                if len(shape) == 1:
+                    for a in range(nodes):
+                        errors[(a, off)].zero_()
+        buf = delta.clone() if buf is None else buf.mul_(momentum).add_(delta)
+        x = x - lr * buf
+    return x
+
+
+def test_two_levels_match_the_reference_and_one_rank_per_node_is_flat(comm):
+    """Nodes of 2: node sums per group of whole tensors, PowerSGD between nodes (float32 reference); nodes of 1:
+    the flat run bit for bit (the group is the whole model)."""
+    def body():
+        n, rank = comm.Get_size(), comm.Get_rank()
+        options = {"lr": 0.1, "momentum": 0.9, "rank": 1, "seed": 5}
+        flat = make_algorithm("powersgd", make_model(seed=rank), _comm(comm), hierarchical=False, **options)
+        train(flat, 5)
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topo.ring(n), ranks_per_node=k)
+            algo = make_algorithm("powersgd", make_model(seed=rank), c, hierarchical=True, **options)
+            assert algo.two_level.counts == ([83] if k == 1 else [48, 35])
+            train(algo, 5)
+            if k == 1:
+                assert torch.equal(algo.flat.data, flat.flat.data)
+            expected = reference_two_level_powersgd(n, k, 5, 0.1, 0.9, 5)
+            torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6, msg=f"k={k}")
 
     run_all(comm, body)

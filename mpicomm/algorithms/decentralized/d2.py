@@ -70,7 +70,7 @@ class D2(Algorithm):
         self.lr_prev = 0.0
         self.started = False
         self._chunk = chunk_elems(x.device)
-        self.node_gossip = node_gossip_for(self.config, comm, x.numel(), x)  # None for Moniqua-D²'s config
+        self.node_gossip = node_gossip_for(self.config, comm, x.numel(), x)
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)

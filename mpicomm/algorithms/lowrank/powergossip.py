@@ -14,6 +14,13 @@ same Q_e and approximate the difference D_e = X_lo - X_hi of every matrix by one
 Every edge moves its two ends by opposite amounts, so the average is preserved. Slices not worth
 compressing are mixed in full precision. Traffic per round: two ``neighbor_alltoallv``. Details:
 ``docs/algorithms/lowrank.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+the node's exact average first, then the round above between nodes on the graph of nodes (``node_topology``,
+symmetric), the L local ranks of a node each carrying a group of whole tensors (its Q per neighbouring node),
+then every group back inside the node. The round mixes the N node averages: PowerGossip over N nodes
+(Vogels et al. 2020 analyse the exact-difference limit as gossip with the graph's W; here that of the nodes),
+preceded by the exact average inside the node, a doubly stochastic step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_int, check_range
+from ..shared.hierarchy import NodeGraphConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from .layout import LowRankLayout, orthogonalize
 
@@ -30,9 +38,10 @@ __all__ = ["PowerGossip", "PowerGossipConfig"]
 
 
 @dataclass(frozen=True)
-class PowerGossipConfig(OrderConfig):
+class PowerGossipConfig(NodeGraphConfig, OrderConfig):
     """rank: r of every compressed matrix; gamma: consensus step in (0, 1]; min_compression_rate: as
-    PowerSGD's; epsilon: added to column norms when orthogonalizing (keeps a zero difference at zero)."""
+    PowerSGD's; epsilon: added to column norms when orthogonalizing (keeps a zero difference at zero).
+    hierarchical, node_topology: see the module docstring."""
 
     rank: int = 1
     gamma: float = 1.0
@@ -48,6 +57,13 @@ class PowerGossipConfig(OrderConfig):
         check_range("epsilon", self.epsilon, lo=0.0)
 
 
+def _check_symmetric(schedule, option: str) -> None:
+    for k in range(schedule.period):
+        if not schedule.at(k).is_symmetric():
+            raise ValueError(f"powergossip needs a symmetric {option} (every edge used both ways); "
+                             f"{schedule.at(k)!r} at step {k} is not")
+
+
 class PowerGossip(PeriodicGossip):
     """Local SGD steps and, every step, a low-rank gossip of the model differences along each edge."""
 
@@ -57,32 +73,44 @@ class PowerGossip(PeriodicGossip):
     @classmethod
     def check_communicator(cls, config, comm) -> None:
         """The edges' shared Q need a symmetric topology at every step (every edge used both ways)."""
-        schedule = comm.schedule
-        for k in range(schedule.period):
-            if not schedule.at(k).is_symmetric():
-                raise ValueError(f"powergossip needs a symmetric topology (every edge used both ways); "
-                                 f"{schedule.at(k)!r} at step {k} is not")
+        _check_symmetric(comm.schedule, "topology")
 
     def __init__(self, model, comm, config=None):
         self.check_communicator(config, comm)
         super().__init__(model, comm, config)
-        n, schedule = comm.size, comm.schedule
-        self.layout = LowRankLayout(self.flat, self.config.rank, self.config.min_compression_rate)
-        neighbours = sorted({j for k in range(schedule.period) for j in schedule.at(k).in_neighbors(comm.rank)})
+        self.node_gossip = ng = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data,
+                                                layers=self.flat.layers)
+        if ng is None:  # the graph the round runs on, this rank's vertex in it, and the part of x it carries
+            self.graph, self.vertex, part = comm, comm.rank, self.flat
+        else:
+            _check_symmetric(ng.graph.schedule, "node_topology")
+            lo, hi = ng.levels.lo, ng.levels.hi
+            self.graph, self.vertex = ng.graph, ng.node
+            part = ShardOfFlat(ng.levels.shard, group_layers(self.flat.layers, lo, hi))
+        n, schedule, me = self.graph.size, self.graph.schedule, self.vertex
+        self.layout = LowRankLayout(part, self.config.rank, self.config.min_compression_rate)
+        neighbours = sorted({j for k in range(schedule.period) for j in schedule.at(k).in_neighbors(me)})
         self.q: dict[int, torch.Tensor] = {}  # neighbour -> Q of the edge, shared with that neighbour
         for j in neighbours:
-            lo, hi = min(comm.rank, j), max(comm.rank, j)
+            lo, hi = min(me, j), max(me, j)
             q = torch.zeros(self.layout.q_numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
             self.layout.draw_q(q, torch.Generator().manual_seed((self.config.seed * n + lo) * n + hi))
             self.q[j] = q
 
     def _gossip(self, round_index: int) -> None:
-        cfg, lay, rank = self.config, self.layout, self.comm.rank
-        topo = self.comm.topology(round_index)
+        if self.node_gossip is None:
+            self._low_rank_round(self.flat.data, round_index)
+        else:
+            self.node_gossip.mix_with(self.flat.data, round_index, self._low_rank_round)
+
+    def _low_rank_round(self, x: torch.Tensor, round_index: int) -> None:
+        """One round of the module docstring on ``x`` (this rank's model, or its node's average of its group)
+        over ``self.graph``, in place."""
+        cfg, lay, rank = self.config, self.layout, self.vertex
+        topo = self.graph.topology(round_index)
         nbrs, weights = topo.in_neighbors(rank), topo.neighbor_weights(rank)
         if not nbrs:
             return
-        x = self.flat.data
         first = []
         for j in nbrs:
             send = x.new_empty(lay.p_numel + lay.plain_numel)
@@ -90,7 +118,7 @@ class PowerGossip(PeriodicGossip):
                 torch.matmul(mat.view(x), orthogonalize(mat.q(self.q[j]), cfg.epsilon), out=mat.p(send))
             lay.gather_plain(x, send[lay.p_numel:])
             first.append(send)
-        got = self.comm.neighbor_alltoallv(first, [lay.p_numel + lay.plain_numel] * len(nbrs), step=round_index)
+        got = self.graph.neighbor_alltoallv(first, [lay.p_numel + lay.plain_numel] * len(nbrs), step=round_index)
         plain = lay.gather_plain(x, x.new_empty(lay.plain_numel))
         mixed = torch.zeros_like(plain)                                  # sum_j W_ij (x_j - x_i), plain slices
         p_hats, second = [], []
@@ -105,7 +133,7 @@ class PowerGossip(PeriodicGossip):
                 torch.matmul(mat.view(x).t(), orthogonalize(mat.p(p_hat), cfg.epsilon), out=mat.q(send))
             p_hats.append(p_hat)
             second.append(send)
-        got_q = self.comm.neighbor_alltoallv(second, [lay.q_numel] * len(nbrs), step=round_index)
+        got_q = self.graph.neighbor_alltoallv(second, [lay.q_numel] * len(nbrs), step=round_index)
         for j, w, p_hat, mine, theirs in zip(nbrs, weights, p_hats, second, got_q):
             q = self.q[j]                                                # Q_e <- X_lo^T P̂ - X_hi^T P̂
             torch.sub(*((mine, theirs) if rank < j else (theirs, mine)), out=q)

@@ -14,6 +14,15 @@ uncompressed slices u of :mod:`.layout`::
 
 Parameters stay identical on all ranks. How it differs from torch's ``powerSGD_hook``, traffic and
 the exact reduction: ``docs/algorithms/lowrank.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+the L local ranks of a node split the tensors into L groups of whole tensors (a matrix keeps its shape); rank
+(node a, local j) takes its node's exact sum of group j (reduce-scatter inside the node), runs the step above
+on it among the N ranks of local rank j (M_a = sum_{i on a} g_i + e_a, the error per node and group; the
+allreduces between nodes, divided by n), and the node allgathers the groups. It is PowerSGD with N workers,
+each the sum of L gradients: Vogels et al.'s error-feedback argument is unchanged (it needs only a
+compressor with bounded relative error on what each worker compresses), with e_a per node. The warm-up's
+allreduce goes in two exact levels.
 """
 
 from __future__ import annotations
@@ -22,20 +31,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import Algorithm, AlgorithmConfig, check_bool, check_int, check_range, clone_optimizer_state
+from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
+from ..shared.hierarchy import HierarchicalConfig, ShardOfFlat, group_layers, two_level_for
 from .layout import LowRankLayout, orthogonalize
 
 __all__ = ["PowerSGD", "PowerSGDConfig"]
 
 
 @dataclass(frozen=True)
-class PowerSGDConfig(AlgorithmConfig):
+class PowerSGDConfig(HierarchicalConfig):
     """PowerSGD options.
 
     rank: r of every compressed matrix. warmup_steps: fp32 AllReduce-SGD steps first.
     min_compression_rate: compress a matrix only if it shrinks by more than this. error_feedback: add
     what compression dropped to the next step's gradient. warm_start: reuse Q across steps. epsilon:
-    added to column norms when orthogonalizing.
+    added to column norms when orthogonalizing. hierarchical: see the module docstring.
     """
 
     rank: int = 1
@@ -68,12 +78,16 @@ class PowerSGD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         cfg = self.config
-        self.layout = LowRankLayout(self.flat, cfg.rank, cfg.min_compression_rate)
+        self.two_level = levels = two_level_for(cfg, comm, self.flat.numel, self.flat.grad, layers=self.flat.layers)
+        part = self.flat if levels is None else ShardOfFlat(levels.shard, group_layers(self.flat.layers, levels.lo,
+                                                                                       levels.hi))
+        self.exchange = self.comm if levels is None else levels.cross  # whom the P and Q allreduces span
+        self.layout = LowRankLayout(part, cfg.rank, cfg.min_compression_rate)
         like = {"dtype": self.flat.data.dtype, "device": self.flat.data.device}
         lay = self.layout
         self.p_and_plain = torch.zeros(lay.p_numel + lay.plain_numel, **like)  # allreduce #1
         self.q = torch.zeros(lay.q_numel, **like)                             # allreduce #2 (and warm start)
-        self.error = torch.zeros(self.flat.numel, **like) if cfg.error_feedback else None
+        self.error = torch.zeros(part.data.numel(), **like) if cfg.error_feedback else None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         lay.draw_q(self.q, self.generator)
         self.optimizer = self._local_sgd()
@@ -84,17 +98,23 @@ class PowerSGD(Algorithm):
         return "warmup" if self.step_count < self.config.warmup_steps else "compression"
 
     def _step(self, grad: torch.Tensor) -> None:
+        levels = self.two_level
         if self.phase == "warmup":
-            self.comm.allreduce(grad)
+            (self.comm if levels is None else levels).allreduce(grad)
             grad.div_(self.comm.size)
-        else:
+        elif levels is None:
             self._compress(grad)
+        else:  # the node's sum of my group of tensors, compressed between nodes, then every group back
+            shard = levels.reduce(grad)
+            self._compress(shard)
+            levels.spread(grad, shard)
         self._clip(grad)
         self._decayed(grad)
         self._local_step()
 
     def _compress(self, grad: torch.Tensor) -> None:
-        """Replace ``grad`` (rank i's g_i) by the aggregated low-rank Delta, updating Q and e_i."""
+        """Replace ``grad`` (rank i's g_i, or its node's sum of this rank's group) by the aggregated low-rank
+        Delta (the mean over all ranks), updating Q and e_i."""
         cfg, lay, n = self.config, self.layout, self.comm.size
         if self.error is not None:
             grad.add_(self.error)                                        # M_i = g_i + e_i
@@ -104,7 +124,7 @@ class PowerSGD(Algorithm):
         for mat in lay.matrices:
             torch.matmul(mat.view(grad), orthogonalize(mat.q(self.q), cfg.epsilon), out=mat.p(p))
         plain = lay.gather_plain(grad, self.p_and_plain[lay.p_numel:])
-        self.comm.allreduce(self.p_and_plain)
+        self.exchange.allreduce(self.p_and_plain)
         lay.scatter_plain(plain.div_(n), grad)
         for mat in lay.matrices:
             p_hat = orthogonalize(mat.p(p), cfg.epsilon)
@@ -112,7 +132,7 @@ class PowerSGD(Algorithm):
             q = torch.matmul(m.t(), p_hat, out=mat.q(self.q))            # Q_i = M_i^T P̂
             if self.error is not None:
                 torch.addmm(m, p_hat, q.t(), alpha=-1, out=mat.view(self.error))   # e_i = M_i - P̂ Q_i^T
-        self.comm.allreduce(self.q)
+        self.exchange.allreduce(self.q)
         self.q.div_(n)
         for mat in lay.matrices:
             torch.matmul(mat.p(p), mat.q(self.q).t(), out=mat.view(grad))  # Delta = P̂ Q^T

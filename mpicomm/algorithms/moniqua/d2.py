@@ -13,6 +13,12 @@ mixed with I instead of W, and D²'s extrapolation assumes the same mixing on co
 recursion restarts after a wrap (the next step is a first step again). Options and defaults are
 Moniqua's; theta's statistic is alpha ||g_k||_inf per tensor. ``bits=32, gamma=1`` is ``d2`` bit for bit.
 
+``hierarchical`` (auto: on over several nodes of several ranks; ``node_topology``): x_{k+1/2}'s exact node
+average, then Moniqua's round between nodes on each local rank's shard (:mod:`.node`), as two-level Moniqua
+does; a wrap anywhere on the node restarts the recursion on all its ranks (one allreduce(max) inside the
+node), so the node's ranks keep one D² recursion. The mixing matrix is ``W_nodes ⊗ (1/L) 1 1ᵀ`` up to the
+quantization, whose smallest eigenvalue is that of ``W_nodes`` (D²'s condition, on the graph of nodes).
+
 No overlap with the forward and backward pass (no ``overlap`` option, unlike ``moniqua``): the codes are
 of x_{k+1/2}, which holds -alpha_k g_k, so the message can only be encoded after the backward pass.
 """
@@ -21,16 +27,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..decentralized.d2 import D2, check_no_momentum
+from ..shared.hierarchy import NodeGraphConfig
 from .config import MoniquaConfig
 from .gossip import ModuloGossip
+from .node import NodeModuloGossip
 
 __all__ = ["MoniquaD2", "MoniquaD2Config"]
 
 
 @dataclass(frozen=True)
-class MoniquaD2Config(MoniquaConfig):
-    """Moniqua-D² options: Moniqua's (bits, rounding, gamma, theta, ...); momentum must stay 0."""
+class MoniquaD2Config(NodeGraphConfig, MoniquaConfig):
+    """Moniqua-D² options: Moniqua's (bits, rounding, gamma, theta, ...), hierarchical and node_topology;
+    momentum must stay 0."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -45,10 +56,21 @@ class MoniquaD2(D2):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        self.gossip = ModuloGossip(comm, self.config, self.flat)
+        if self.node_gossip is None:
+            self.node_modulo, self.gossip = None, ModuloGossip(comm, self.config, self.flat)
+        else:
+            self.node_modulo = NodeModuloGossip(self.node_gossip, self.config, self.flat)
+            self.gossip = self.node_modulo.gossip
 
     def _mix(self, x, direction, lr):
-        if self.gossip.mix(x, self.step_count, self.gossip.step_sizes(direction, lr)):
+        if self.node_modulo is None:
+            wrapped = self.gossip.mix(x, self.step_count, self.gossip.step_sizes(direction, lr))
+        else:
+            wrapped = self.node_modulo.mix(x, self.step_count, self.node_modulo.step_sizes(direction, lr))
+            if not self.gossip.identity:  # one recursion per node: restart on every rank if any shard wrapped
+                flag = torch.tensor([float(wrapped)])
+                wrapped = bool(self.node_gossip.levels.node.allreduce(flag, "max")[0] > 0)
+        if wrapped:
             self.started = False  # a skipped part mixed with I this step, not W: restart D²'s recursion
 
     def stats(self):

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from ..base import Algorithm, clone_optimizer_state
-from ..shared.hierarchy import ShardOfFlat, node_gossip_for, shard_layers
+from ..shared.hierarchy import node_gossip_for
 from .config import MoniquaDPSGDConfig
 from .gossip import ModuloGossip
-from .theta import local_step_sizes
+from .node import NodeModuloGossip
 
 __all__ = ["Moniqua"]
 
@@ -51,17 +51,10 @@ class Moniqua(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
-        self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
-        if self.node_gossip is None:
-            self.gossip = ModuloGossip(comm, self.config, self.flat)
-            return
-        counts, local = self.node_gossip.levels.counts, self.node_gossip.levels.layout.local_rank
-        shards = [shard_layers(self.flat.layers, sum(counts[:j]), sum(counts[:j + 1])) for j in range(len(counts))]
-        self.part_sizes = [part.numel for parts in shards for part in parts]  # every shard's tensor parts, in order
-        first = sum(len(parts) for parts in shards[:local])
-        self.own_parts = slice(first, first + len(shards[local]))
-        own = ShardOfFlat(self.node_gossip.shard_of(self.flat.data), shards[local])
-        self.gossip = ModuloGossip(self.node_gossip.graph, self.config, own)
+        node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
+        self.node_modulo = None if node_gossip is None else NodeModuloGossip(node_gossip, self.config, self.flat)
+        self.node_gossip = node_gossip
+        self.gossip = ModuloGossip(comm, self.config, self.flat) if node_gossip is None else self.node_modulo.gossip
 
     def _begin_exchange(self):
         return self.gossip.begin(self.flat.data, self.step_count) if self.config.overlap else None
@@ -69,22 +62,16 @@ class Moniqua(Algorithm):
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
         update = self._user_update()
-        if self.node_gossip is not None:
-            sizes = self._node_step_sizes(grad, update)
-            self.node_gossip.mix_with(self.flat.data, self.step_count,
-                                      lambda shard, step: self.gossip.mix(shard, step, sizes))
+        if self.node_modulo is not None:
+            sizes = (self.node_modulo.step_sizes(grad, self.lr, self.optimizer) if update is None
+                     else self.node_modulo.step_sizes(update, 1.0))
+            self.node_modulo.mix(self.flat.data, self.step_count, sizes)
             self._apply_update(update)
             return
         sizes = (self.gossip.step_sizes(grad, self.lr, self.optimizer) if update is None
                  else self.gossip.step_sizes(update, 1.0))
         self.gossip.mix(self.flat.data, self.step_count, sizes, self._take_pending())
         self._apply_update(update)
-
-    def _node_step_sizes(self, grad: torch.Tensor, update: torch.Tensor | None) -> torch.Tensor:
-        """Collective inside the node: the largest local step on the node per tensor part of this rank's shard."""
-        sizes = (local_step_sizes(grad, self.lr, self.optimizer, self.part_sizes) if update is None
-                 else local_step_sizes(update, 1.0, None, self.part_sizes))
-        return self.node_gossip.levels.node.allreduce(sizes, "max")[self.own_parts]
 
     def stats(self) -> dict[str, Any]:
         """Base stats plus theta's range, gamma and the guard's counters."""

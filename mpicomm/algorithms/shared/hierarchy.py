@@ -42,7 +42,8 @@ from .buckets import OverlapConfig
 from .gossip import gossip_average
 
 __all__ = ["GossipTwoLevelConfig", "HierarchicalConfig", "NodeGossip", "NodeGraphConfig", "ShardOfFlat", "TwoLevel",
-           "TwoLevelConfig", "node_gossip_for", "node_topology_for", "shard_layers", "two_level_for"]
+           "TwoLevelConfig", "group_layers", "layer_aligned_counts", "node_gossip_for", "node_topology_for",
+           "shard_layers", "two_level_for"]
 
 _WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
@@ -98,15 +99,17 @@ class TwoLevel:
     """The two full-precision collectives inside the node around an exchange between nodes on a shard.
 
     ``cross`` is the Communicator of this rank's local rank across the nodes; ``lo``/``hi`` bound this rank's
-    shard of a ``numel`` vector.
+    shard of a ``numel`` vector: equal shards, or with ``layers`` (the flat buffer's tensors) shards of whole
+    tensors (:func:`layer_aligned_counts`), for methods that need a tensor's shape.
     """
 
-    def __init__(self, comm: Communicator, numel: int, like: torch.Tensor):
+    def __init__(self, comm: Communicator, numel: int, like: torch.Tensor, layers=None):
         layout = comm.nodes
         self.layout = layout
         self.node, self.cross = layout.node, layout.cross
-        self.counts = layout.counts(numel)
-        self.lo, self.hi = layout.shard(numel)
+        self.counts = layout.counts(numel) if layers is None else layer_aligned_counts(layers, layout.local_size)
+        self.lo = sum(self.counts[:layout.local_rank])
+        self.hi = self.lo + self.counts[layout.local_rank]
         self.shard = torch.empty(self.hi - self.lo, dtype=like.dtype, device=like.device)
 
     def reduce(self, v: torch.Tensor) -> torch.Tensor:
@@ -139,11 +142,34 @@ def _levels_wanted(config, comm: Communicator):
 
 
 def two_level_for(config: HierarchicalConfig, comm: Communicator, numel: int,
-                  like: torch.Tensor) -> TwoLevel | None:
-    """Collective unless ``hierarchical`` is off: the :class:`TwoLevel` exchange ``config`` asks for, or None (flat)."""
+                  like: torch.Tensor, layers=None) -> TwoLevel | None:
+    """Collective unless ``hierarchical`` is off: the :class:`TwoLevel` exchange ``config`` asks for, or None (flat).
+    ``layers``: shards of whole tensors."""
     if _levels_wanted(config, comm) is None:
         return None
-    return TwoLevel(comm, numel, like)
+    return TwoLevel(comm, numel, like, layers)
+
+
+def layer_aligned_counts(layers, parts: int) -> list[int]:
+    """Elements of ``parts`` consecutive groups of whole tensors ``layers`` (in flat order): group j ends at the
+    tensor edge nearest to ``(j + 1) / parts`` of the total, so the groups are as even as whole tensors allow
+    (a group may be empty when one tensor outweighs several shares)."""
+    edges = [0]
+    for layer in layers:
+        edges.append(edges[-1] + layer.numel)
+    total, cuts = edges[-1], [0]
+    for j in range(1, parts):
+        target = total * j / parts
+        cuts.append(max(cuts[-1], min(edges, key=lambda e: (abs(e - target), e))))
+    cuts.append(total)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def group_layers(layers, lo: int, hi: int) -> list[Layer]:
+    """The tensors of ``layers`` that lie wholly inside ``[lo, hi)``, shapes kept and offsets from ``lo`` (the
+    group of a :func:`layer_aligned_counts` shard)."""
+    return [Layer(layer.name, layer.offset - lo, layer.shape) for layer in layers
+            if lo <= layer.offset and layer.offset + layer.numel <= hi and layer.numel]
 
 
 class NodeGossip:
@@ -152,11 +178,11 @@ class NodeGossip:
     Per call, on this rank's shard ``[lo, hi)``: ``s = (1/L) sum_{i on node} x_i[lo:hi]`` (reduce-scatter
     inside the node), ``s <- W_nodes[a, a] s + sum_b W_nodes[a, b] s_b`` (neighbour allgather between the
     ranks of this local rank on the neighbouring nodes), then every shard back into ``x`` (allgather inside
-    the node). ``node_topology``: the graph of nodes, one vertex per node.
+    the node). ``node_topology``: the graph of nodes, one vertex per node. ``layers``: shards of whole tensors.
     """
 
-    def __init__(self, comm: Communicator, numel: int, like: torch.Tensor, node_topology):
-        self.levels = TwoLevel(comm, numel, like)
+    def __init__(self, comm: Communicator, numel: int, like: torch.Tensor, node_topology, layers=None):
+        self.levels = TwoLevel(comm, numel, like, layers)
         layout = self.levels.layout
         self.graph = layout.cross.on_graph(node_topology)
         self.node, self.ranks_per_node = layout.node_index, layout.local_size
@@ -216,9 +242,10 @@ def node_topology_for(config: NodeGraphConfig, schedule, n_nodes: int):
 
 
 def node_gossip_for(config: NodeGraphConfig, comm: Communicator, numel: int,
-                    like: torch.Tensor) -> NodeGossip | None:
-    """Collective unless ``hierarchical`` is off: the :class:`NodeGossip` ``config`` asks for, or None (flat)."""
+                    like: torch.Tensor, layers=None) -> NodeGossip | None:
+    """Collective unless ``hierarchical`` is off: the :class:`NodeGossip` ``config`` asks for, or None (flat).
+    ``layers``: shards of whole tensors."""
     layout = _levels_wanted(config, comm)
     if layout is None:
         return None
-    return NodeGossip(comm, numel, like, node_topology_for(config, comm.schedule, layout.n_nodes))
+    return NodeGossip(comm, numel, like, node_topology_for(config, comm.schedule, layout.n_nodes), layers)
