@@ -4,6 +4,7 @@ The references run every rank's inner and outer steps in one process (``grad_at`
 the compressed ones use the same codec as a black box on float32 inputs, as the ranks do.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,15 +24,27 @@ STEPS = 7
 
 def reference(name, schedule, steps, lr=0.1, period=3, momentum=0.0, weight_decay=0.0, outer_lr=0.7,
               outer_momentum=0.9, outer_nesterov=True, codec=None, ef_decay=0.95, gossip_rounds=1,
-              inner_optimizer="sgd", beta1=0.9, beta2=0.999, eps=1e-8):
-    """Every rank's local model after ``steps`` steps of ``name``, in float64 (codecs applied in float32)."""
+              inner_optimizer="sgd", beta1=0.9, beta2=0.999, eps=1e-8, ranks_per_node=None):
+    """Every rank's local model after ``steps`` steps of ``name``, in float64 (codecs applied in float32).
+
+    ``ranks_per_node`` k: DiLoCo's and SparseLoCo's sums in two levels (what is compressed, and error-fed, is
+    each node's sum of each of the k shards; the first d mod k shards one element longer)."""
     n = schedule.size
     xg = initial_flat().double().repeat(n, 1)
-    x, m_in, m_out, e = xg.clone(), torch.zeros_like(xg), torch.zeros_like(xg), torch.zeros_like(xg)
+    x, m_in, m_out = xg.clone(), torch.zeros_like(xg), torch.zeros_like(xg)
     v_in = torch.zeros_like(xg)
+    k = ranks_per_node or 1
+    d = xg.shape[1]
+    counts = [d // k + (j < d % k) for j in range(k)] if ranks_per_node else [d]
+    bounds = [(sum(counts[:j]), sum(counts[:j + 1])) for j in range(len(counts))]
+    e = torch.zeros(n if ranks_per_node is None else n // k, d, dtype=torch.float64)
+
+    def by_node(rows):  # the rows the codec sees: each rank's, or each node's sum
+        return rows if ranks_per_node is None else rows.view(n // k, k, d).sum(1)
 
     def compress(rows):
-        return torch.stack([codec.roundtrip(row.float()).double() for row in rows])
+        return torch.stack([torch.cat([codec.roundtrip(row[lo:hi].float()).double() for lo, hi in bounds])
+                            for row in rows])
 
     for t in range(steps):
         g = torch.stack([grad_at(x[r].float(), r, t).double() for r in range(n)])
@@ -51,15 +64,15 @@ def reference(name, schedule, steps, lr=0.1, period=3, momentum=0.0, weight_deca
         if name == "diloco" and codec is None:
             delta = delta.mean(0).expand(n, -1)
         elif name == "diloco":
-            p = delta + e
+            p = by_node(delta) + e
             sent = compress(p)
             e = p - sent
-            delta = sent.mean(0).expand(n, -1)
+            delta = (sent.sum(0) / n).expand(n, -1)
         elif name == "sparseloco":
-            e = ef_decay * e + delta
+            e = ef_decay * e + by_node(delta)
             sent = compress(e)
             e = e - sent
-            delta = sent.mean(0).expand(n, -1)
+            delta = (sent.sum(0) / n).expand(n, -1)
         else:
             y = x
             for r in range(s * gossip_rounds, (s + 1) * gossip_rounds):
@@ -110,6 +123,47 @@ def test_matches_float64_reference_step_by_step(comm, name, options):
                 where = f"{schedule.name} step {t}"
                 torch.testing.assert_close(algo.flat.data.double(), expected, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, where=where: f"{where}: {m}")
+
+    run_all(comm, body)
+
+
+TWO_LEVEL_CASES = [
+    ("diloco", {}),
+    ("diloco", {"codec": "uniform", "codec_options": {"bits": 4}}),
+    ("sparseloco", {"outer_lr": 1.0, "outer_momentum": 0.0, "density": 0.25, "chunk": 16, "bits": 2}),
+    ("decentralized_diloco", {"gossip_rounds": 2, "momentum": 0.9, "period": 2}),
+]
+
+
+@pytest.mark.parametrize("name,options", TWO_LEVEL_CASES)
+def test_two_levels_match_the_reference(comm, name, options):
+    """Emulated nodes of 2 (and of 1), hierarchical on: DiLoCo's and SparseLoCo's sums with the node's exact sum
+    of each shard compressed between nodes, decentralized DiLoCo's gossip on W_nodes ⊗ (1/k) 1 1ᵀ."""
+
+    def body():
+        n = comm.Get_size()
+        full = {"period": 3, **options}
+        algo_options = {key: v for key, v in full.items() if key != "outer_momentum" or name != "sparseloco"}
+        ref = {key: v for key, v in full.items() if key not in CODEC_FIELDS}
+        if name == "sparseloco":
+            ref["codec"] = ChunkedTopKCodec(options["density"], options["chunk"], options["bits"])
+        elif "codec" in options:
+            ref["codec"] = make_codec(options["codec"], **options["codec_options"])
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topology.ring(n), ranks_per_node=k)
+            algo = make_algorithm(name, make_model(seed=c.rank), c, lr=0.1, hierarchical=True, **algo_options)
+            if name == "decentralized_diloco":
+                assert algo.node_gossip is not None
+                W = np.kron(topology.ring(n // k).W, np.full((k, k), 1.0 / k))
+                schedule, ref["ranks_per_node"] = topology.from_matrix(W, name="two-level"), None
+            else:
+                assert algo.two_level is not None
+                schedule, ref["ranks_per_node"] = topology.ring(n), k
+            for t in range(STEPS):
+                train(algo, 1)
+                expected = reference(name, schedule, t + 1, **ref)[c.rank]
+                torch.testing.assert_close(algo.flat.data.double(), expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, where=(k, t): f"nodes of {where[0]}, step {where[1]}: {m}")
 
     run_all(comm, body)
 

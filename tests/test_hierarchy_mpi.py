@@ -208,17 +208,21 @@ def test_ledger_and_clock_per_link_class(comm, name):
     run_all(comm, body)
 
 
-ONEBIT_SCHEDULES = {  # each crosses into its compressed phase (and 0/1 Adam into its local steps) before step 4
+SCHEDULES = {  # the 1-bit methods cross into their compressed phase (0/1 Adam into its local steps) before step
+    # 4; the local-update methods sync at steps 3 and 6 (and carry an error or outer momentum across the save)
     "apmsqueeze": {"warmup_steps": 2},
     "zeroone_adam": {"var_freeze_step": 5, "var_update_scaler": 1, "local_step_scaler": 1, "local_step_clipper": 2},
     "onebit_lamb": {"freeze_step": 2},
+    "diloco": {"period": 3, "codec": "uniform", "codec_options": {"bits": 4}},
+    "sparseloco": {"period": 3, "density": 0.25, "chunk": 16},
+    "decentralized_diloco": {"period": 3},
 }
 
 
 def _run(comm, name, k, out_dir, **cfg):
     task = TinyTask(comm.Get_rank())
     c = communicator(comm, k)
-    algo = make_algorithm(name, task.model, c, hierarchical=True, **ONEBIT_SCHEDULES.get(name, {}))
+    algo = make_algorithm(name, task.model, c, hierarchical=True, **SCHEDULES.get(name, {}))
     config = TrainConfig(epochs=3, max_steps=8, lr=0.05, log_every=2, out_dir=out_dir, progress=False,
                          handle_signals=False, **cfg)
     summary = run_training(task, algo, config)
@@ -231,8 +235,9 @@ def two_levels(algo):
 
 
 @pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "hsq",
-                                  "apmsqueeze", "zeroone_adam", "onebit_lamb", "powersgd", "dpsgd", "pdsgdm",
-                                  "choco", "dcd", "moniqua", "moniqua_d2", "powergossip"])
+                                  "apmsqueeze", "zeroone_adam", "onebit_lamb", "powersgd", "diloco", "sparseloco",
+                                  "dpsgd", "pdsgdm", "choco", "dcd", "moniqua", "moniqua_d2", "powergossip",
+                                  "decentralized_diloco"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):
     root = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.Get_rank() == 0 else None)
 

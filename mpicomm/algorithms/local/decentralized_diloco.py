@@ -18,6 +18,11 @@ SGD momentum aside) it is local-update decentralized SGD with periodic gossip, c
 "A Unified Theory of Decentralized SGD with Changing Topology and Local Updates" (ICML 2020); the outer
 momentum and outer_lr != 1 are not covered by that analysis. Traffic per sync: k messages of 4d bytes to
 each out-neighbour. Options and reasoning: ``docs/algorithms/diloco.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; ``node_topology``): each gossip round is the
+node's exact average then one round on the graph of nodes, each local rank carrying its shard
+(:mod:`~mpicomm.algorithms.shared.hierarchy`): the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ``, doubly stochastic
+with the spectral gap of ``W_nodes`` -- Koloskova et al.'s analysis with the graph of nodes.
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ from dataclasses import dataclass
 
 from ..base import check_int
 from ..shared.gossip import gossip_average
+from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 from .diloco import OuterLoop, OuterMomentumConfig
 
 __all__ = ["DecentralizedDiLoCo", "DecentralizedDiLoCoConfig"]
 
 
 @dataclass(frozen=True)
-class DecentralizedDiLoCoConfig(OuterMomentumConfig):
-    """Decentralized DiLoCo options (DiLoCo's outer step). gossip_rounds: gossip rounds per sync, >= 1."""
+class DecentralizedDiLoCoConfig(NodeGraphConfig, OuterMomentumConfig):
+    """Decentralized DiLoCo options (DiLoCo's outer step). gossip_rounds: gossip rounds per sync, >= 1.
+    hierarchical, node_topology: see the module docstring."""
 
     gossip_rounds: int = 1
 
@@ -48,9 +55,16 @@ class DecentralizedDiLoCo(OuterLoop):
     name = "decentralized_diloco"
     config_class = DecentralizedDiLoCoConfig
 
+    def __init__(self, model, comm, config=None):
+        super().__init__(model, comm, config)
+        self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)
+
     def _average(self, delta, round_index):
         x, rank, k = self.flat.data, self.comm.rank, self.config.gossip_rounds
         for r in range(round_index * k, round_index * k + k):
+            if self.node_gossip is not None:
+                self.node_gossip.mix(x, r)
+                continue
             topo = self.comm.topology(r)
             gossip_average(x, self.comm.neighbor_allgather(x, step=r), topo.self_weight(rank),
                            topo.neighbor_weights(rank))

@@ -18,6 +18,12 @@ Delta = (1/n) sum_r C(p_r) (payloads allgathered, summed in MPICH's allreduce or
 the uncompressed run bit for bit). Traffic: nothing between syncs; a sync is one allreduce of 4d bytes, or
 one allgather of ``codec.payload_bytes(d)``. H = 1, eta = 1, mu = 0 and inner SGD is ``allreduce_sgd``
 up to rounding. Options and reasoning: ``docs/algorithms/diloco.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+the sum of the Delta_i in two levels, the node's exact sum of each local rank's shard (reduce-scatter inside
+the node), the allreduce (or the codec's error-fed allgather, e per node and shard) of it between nodes, the
+allgather inside the node. Uncompressed it is DiLoCo up to the order of float32 additions; compressed, the N
+nodes are the participants whose summed pseudo-gradients are compressed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
 from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from ..shared.periodic import check_period
 
 __all__ = ["INNER_OPTIMIZERS", "DiLoCo", "DiLoCoConfig", "OuterConfig", "OuterLoop", "OuterMomentumConfig"]
@@ -103,6 +110,7 @@ class OuterLoop(Algorithm):
         super().__init__(model, comm, config)
         self.period = self.config.period
         self.optimizer = self._inner_adamw() if self._adamw else self._local_sgd()
+        self.two_level = None  # a method with a two-level sum sets its TwoLevel here
         self.global_params = self.flat.data.detach().clone()
         self.outer_grad = torch.zeros_like(self.global_params)
         param = torch.nn.Parameter(self.global_params, requires_grad=False)
@@ -142,6 +150,18 @@ class OuterLoop(Algorithm):
     def _average(self, delta: torch.Tensor, round_index: int) -> None:
         """Communication round ``round_index``: replace this rank's pseudo-gradient ``delta`` by the average used."""
 
+    def _summed(self, delta: torch.Tensor, exchange) -> None:
+        """Collective: ``delta`` <- its sum over all ranks by ``exchange(v, comm)``, the method's in-place sum of
+        ``v`` over ``comm``: over the world, or (``self.two_level``) on the node's sum of this rank's shard
+        between nodes, then every shard back inside the node."""
+        levels = self.two_level
+        if levels is None:
+            exchange(delta, self.comm)
+            return
+        shard = levels.reduce(delta)
+        exchange(shard, levels.cross)
+        levels.spread(delta, shard)
+
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer),
                 "outer_optimizer": clone_optimizer_state(self.outer_optimizer),
@@ -154,12 +174,12 @@ class OuterLoop(Algorithm):
 
 
 @dataclass(frozen=True)
-class DiLoCoConfig(OuterMomentumConfig):
+class DiLoCoConfig(HierarchicalConfig, OuterMomentumConfig):
     """DiLoCo options (outer SGD with Nesterov momentum 0.9 at outer_lr 0.7 by default).
 
     codec: compress the pseudo-gradient with this codec of mpicomm.codecs.CODECS and error feedback (none:
     an uncompressed allreduce; "uniform" with codec_options bits=4 is 4-bit). codec_options: its keyword
-    arguments (no seed).
+    arguments (no seed). hierarchical: see the module docstring.
     """
 
     codec: str | None = None
@@ -182,22 +202,29 @@ class DiLoCo(OuterLoop):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
+        self.two_level = levels = two_level_for(self.config, comm, self.flat.numel, self.flat.data)
         self.codec = None
         if self.config.codec is not None:
+            numel = self.flat.numel if levels is None else levels.hi - levels.lo
             self.codec = make_rank_codec(self.config, self.comm.rank)
-            self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
-            self.error = torch.zeros_like(self.flat.data)
+            self.payload_sum = PayloadSum(self.comm if levels is None else levels.cross, self.codec, numel)
+            self.error = torch.zeros(numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
 
     def _average(self, delta, round_index):
-        if self.codec is None:
-            self.comm.allreduce(delta)
-        else:
-            delta.add_(self.error)  # p = Delta + e
-            payload = self.codec.encode(delta)
-            self.codec.decode(payload, self.flat.numel, out=self.error)
-            torch.sub(delta, self.error, out=self.error)  # e <- p - C(p)
-            self.payload_sum(payload, out=delta)
+        self._summed(delta, self._sum if self.codec is None else self._compressed_sum)
         delta.div_(self.comm.size)
+
+    @staticmethod
+    def _sum(v: torch.Tensor, comm) -> None:
+        comm.allreduce(v)
+
+    def _compressed_sum(self, v: torch.Tensor, comm) -> None:
+        """``v`` <- sum over ``comm`` of C(p_r), p = v + e, e <- p - C(p) (``self.payload_sum`` spans ``comm``)."""
+        v.add_(self.error)  # p = Delta + e
+        payload = self.codec.encode(v)
+        self.codec.decode(payload, v.numel(), out=self.error)
+        torch.sub(v, self.error, out=self.error)  # e <- p - C(p)
+        self.payload_sum(payload, out=v)
 
     def _extra_state(self):
         state = super()._extra_state()

@@ -16,6 +16,12 @@ values at ``bits`` bits)::
 
 Traffic: nothing between syncs; a sync is one allgather of ``codec.payload_bytes(d)`` bytes per rank.
 Options and reasoning: ``docs/algorithms/diloco.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+the accumulator is per node and shard: rank (node a, local j) feeds e_a with its node's exact sum of shard j of
+the Delta_i (reduce-scatter inside the node), sends C(e_a) to the ranks of local rank j on the other nodes
+(top-k chunks start again at the shard's edge), and the node allgathers the summed shards; the 1/n keeps the
+average over ranks. The N nodes are SparseLoCo's workers.
 """
 
 from __future__ import annotations
@@ -27,18 +33,19 @@ import torch
 from ...codecs.chunked_topk import ChunkedTopKCodec
 from ..base import check_int, check_range
 from ..shared.allgather_sum import PayloadSum
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .diloco import OuterConfig, OuterLoop
 
 __all__ = ["SparseLoCo", "SparseLoCoConfig"]
 
 
 @dataclass(frozen=True)
-class SparseLoCoConfig(OuterConfig):
+class SparseLoCoConfig(HierarchicalConfig, OuterConfig):
     """SparseLoCo options (outer_lr defaults to 1).
 
     density: fraction of each chunk sent, in (0, 1]. chunk: elements per top-k chunk, >= 1. bits: bits per
     sent value, in [1, 8] (a uniform grid over the chunk's kept values). ef_decay: beta, the decay of the
-    error-feedback accumulator, in [0, 1].
+    error-feedback accumulator, in [0, 1]. hierarchical: see the module docstring.
     """
 
     outer_lr: float = 1.0
@@ -64,16 +71,22 @@ class SparseLoCo(OuterLoop):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
+        self.two_level = levels = two_level_for(self.config, comm, self.flat.numel, self.flat.data)
+        numel = self.flat.numel if levels is None else levels.hi - levels.lo
         self.codec = ChunkedTopKCodec(self.config.density, self.config.chunk, self.config.bits)
-        self.payload_sum = PayloadSum(self.comm, self.codec, self.flat.numel)
-        self.error = torch.zeros_like(self.flat.data)
+        self.payload_sum = PayloadSum(self.comm if levels is None else levels.cross, self.codec, numel)
+        self.error = torch.zeros(numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
 
     def _average(self, delta, round_index):
-        self.error.mul_(self.config.ef_decay).add_(delta)  # e <- beta e + Delta
-        payload = self.codec.encode(self.error)
-        self.error.sub_(self.codec.decode(payload, self.flat.numel, out=delta))  # e <- e - C(e)
-        self.payload_sum(payload, out=delta)
+        self._summed(delta, self._compressed_sum)
         delta.div_(self.comm.size)
+
+    def _compressed_sum(self, v: torch.Tensor, comm) -> None:
+        """``v`` <- sum over ``comm`` of C(e_r), e <- beta e + v, e <- e - C(e) (``payload_sum`` spans ``comm``)."""
+        self.error.mul_(self.config.ef_decay).add_(v)  # e <- beta e + Delta
+        payload = self.codec.encode(self.error)
+        self.error.sub_(self.codec.decode(payload, v.numel(), out=v))  # e <- e - C(e)
+        self.payload_sum(payload, out=v)
 
     def _extra_state(self):
         return {**super()._extra_state(), "error": self.error.clone()}
