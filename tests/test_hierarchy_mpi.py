@@ -215,6 +215,7 @@ SCHEDULES = {  # the 1-bit methods cross into their compressed phase (0/1 Adam i
     "onebit_lamb": {"freeze_step": 2},
     "diloco": {"period": 3, "codec": "uniform", "codec_options": {"bits": 4}},
     "sparseloco": {"period": 3, "density": 0.25, "chunk": 16},
+    "streaming_diloco": {"period": 3, "fragments": 2, "error_feedback": True},
     "decentralized_diloco": {"period": 3},
 }
 
@@ -230,12 +231,15 @@ def _run(comm, name, k, out_dir, **cfg):
 
 
 def two_levels(algo):
-    """The algorithm's two-level exchange: the centralized ``two_level`` or the gossip's ``node_gossip``."""
-    return getattr(algo, "two_level", None) or getattr(algo, "node_gossip", None)
+    """The algorithm's two-level exchange: the centralized ``two_level``, the gossip's ``node_gossip`` or Streaming
+    DiLoCo's first fragment's."""
+    return (getattr(algo, "two_level", None) or getattr(algo, "node_gossip", None)
+            or next(iter(getattr(algo, "levels", [])), None))
 
 
 @pytest.mark.parametrize("name", ["allreduce_sgd", "qsgd", "ef_signsgd", "allreduce_adam", "lamb", "hsq",
                                   "apmsqueeze", "zeroone_adam", "onebit_lamb", "powersgd", "diloco", "sparseloco",
+                                  "streaming_diloco",
                                   "dpsgd", "pdsgdm", "choco", "dcd", "moniqua", "moniqua_d2", "powergossip",
                                   "decentralized_diloco"])
 def test_resume_with_hierarchy_is_bit_exact(comm, name, tmp_path_factory):

@@ -26,10 +26,26 @@ BOUNDS = {1: [0, 83], 2: [0, 48, 83], 3: [0, 48, 56, 83], 4: [0, 48, 56, 80, 83]
 
 
 def reference(n, steps, lr=0.1, momentum=0.0, period=4, fragments=2, delay=1, alpha=0.5, outer_lr=0.7,
-              outer_momentum=0.9, outer_nesterov=True, codec=None, error_feedback=False):
-    """Every rank's local model after each of ``steps`` steps, in float64 (the codec applied in float32)."""
+              outer_momentum=0.9, outer_nesterov=True, codec=None, error_feedback=False, ranks_per_node=None):
+    """Every rank's local model after each of ``steps`` steps, in float64 (the codec applied in float32).
+
+    ``ranks_per_node`` k: what is sent (and error-fed) is each node's sum of each of the k shards of a fragment
+    (the first f mod k shards of an f-element fragment one element longer)."""
     xg = initial_flat().double().repeat(n, 1)
-    x, m_in, m_out, e = xg.clone(), torch.zeros_like(xg), torch.zeros_like(xg), torch.zeros_like(xg)
+    x, m_in, m_out = xg.clone(), torch.zeros_like(xg), torch.zeros_like(xg)
+    k = ranks_per_node or 1
+    e = torch.zeros(n // k if ranks_per_node else n, xg.shape[1], dtype=torch.float64)
+
+    def by_node(rows):
+        return rows if ranks_per_node is None else rows.view(n // k, k, -1).sum(1)
+
+    def compress(rows):  # each shard of the fragment on its own
+        f = rows.shape[1]
+        counts = [f // k + (j < f % k) for j in range(k)]
+        cuts = [sum(counts[:j]) for j in range(k + 1)]
+        return torch.stack([torch.cat([codec.roundtrip(row[a:b].float()).double() for a, b in zip(cuts, cuts[1:])])
+                            for row in rows])
+
     bounds = BOUNDS[fragments]
     offsets = [int(p * period / fragments + 0.5) % period for p in range(fragments)]
     pending, history = [], []
@@ -41,14 +57,14 @@ def reference(n, steps, lr=0.1, momentum=0.0, period=4, fragments=2, delay=1, al
             if (t + 1) % period != offsets[p]:
                 continue
             s = slice(bounds[p], bounds[p + 1])
-            q = xg[:, s] - x[:, s]
+            q = by_node(xg[:, s] - x[:, s])
             if codec is not None:
                 q = q + e[:, s] if error_feedback else q
-                sent = torch.stack([codec.roundtrip(row.float()).double() for row in q])
+                sent = compress(q)
                 if error_feedback:
                     e[:, s] = q - sent
                 q = sent
-            pending.append((t + delay, s, q.mean(0)))
+            pending.append((t + delay, s, q.sum(0) / n))
         for _, s, avg in [item for item in pending if item[0] == t]:
             m_out[:, s] = outer_momentum * m_out[:, s] + avg
             step = avg + outer_momentum * m_out[:, s] if outer_nesterov else m_out[:, s]
@@ -98,6 +114,32 @@ def test_matches_float64_reference_step_by_step(comm, options):
             torch.testing.assert_close(algo.flat.data.double(), history[t][c.rank], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, t=t: f"step {t}: {m}")
         algo.close()
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("options", [CASES[1], CASES[3]])
+def test_two_levels_match_the_reference(comm, options):
+    """Emulated nodes of 2 (and of 1), hierarchical on: the node's exact sum of each shard of a fragment sent
+    between nodes while the inner steps go on (fp32, and 4-bit with error feedback), spread at the due step."""
+
+    def body():
+        n = comm.Get_size()
+        full = {"period": 4, "fragments": 2, **options}
+        ref = {k: v for k, v in full.items() if k != "codec"}
+        if "codec" not in options:
+            ref["codec"] = make_codec("uniform", bits=4)
+        steps = 2 * full["period"] + 3
+        for k in [k for k in (1, 2) if n % k == 0]:
+            c = Communicator(comm, topology.ring(n), ranks_per_node=k)
+            algo = make_algorithm("streaming_diloco", make_model(seed=c.rank), c, lr=0.1, hierarchical=True, **full)
+            assert all(levels is not None for levels in algo.levels)
+            history = reference(n, steps, **ref, ranks_per_node=k)
+            for t in range(steps):
+                train(algo, 1)
+                torch.testing.assert_close(algo.flat.data.double(), history[t][c.rank], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, where=(k, t): f"nodes of {where[0]}, step {where[1]}: {m}")
+            algo.close()
 
     run_all(comm, body)
 

@@ -19,6 +19,12 @@ C is ``codec`` (4-bit ``uniform`` by default, as the paper's 4-bit outer gradien
 allreduced). Traffic: fragment p's sync is one allgather of ``codec.payload_bytes(d_p)`` (or one allreduce of
 4 d_p), so the peak per step is about 1/P of DiLoCo's. P = 1, tau = 0, a = 0 with error feedback is ``diloco``
 with the same codec bit for bit. Options and reasoning: ``docs/algorithms/diloco.md``.
+
+``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
+a fragment's start takes the node's exact sum of each local rank's shard of q (a blocking reduce-scatter inside
+the node, the fast link), and only the exchange between nodes stays in flight; at its due step the summed shard
+goes back to the node's ranks (an allgather inside the node). The error, with error_feedback, is per node and
+shard; the N nodes are the participants whose summed outer gradients are compressed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from ..base import check_bool, check_int, check_range
 from ..shared.allgather_sum import tree_sum
 from ..shared.codec_options import check_codec, make_rank_codec
+from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .diloco import OuterLoop, OuterMomentumConfig
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoConfig", "fragment_cuts", "fragment_offsets"]
@@ -62,7 +69,7 @@ def fragment_offsets(period: int, parts: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class StreamingDiLoCoConfig(OuterMomentumConfig):
+class StreamingDiLoCoConfig(HierarchicalConfig, OuterMomentumConfig):
     """Streaming DiLoCo options (DiLoCo's outer Nesterov SGD at outer_lr 0.7, momentum 0.9; 4-bit outer gradients).
 
     fragments: P, the number of fragments (contiguous groups of parameter tensors of about equal size), >= 1 and
@@ -71,7 +78,8 @@ class StreamingDiLoCoConfig(OuterMomentumConfig):
     outer result is merged into it, in [0, 1) (0: replaced by it). codec: the outer gradients' codec of
     mpicomm.codecs.CODECS (none: fp32, allreduced). codec_options: its keyword arguments (no seed; default
     bits=4 for the default uniform codec). error_feedback: keep what the codec lost and add it to the next
-    outer gradient of the fragment (the paper sends its 4-bit outer gradients without).
+    outer gradient of the fragment (the paper sends its 4-bit outer gradients without). hierarchical: see the
+    module docstring.
     """
 
     fragments: int = 4
@@ -100,10 +108,11 @@ class StreamingDiLoCoConfig(OuterMomentumConfig):
 
 class _Exchange:
     """One fragment's average: in flight (``handle``; ``gathered`` the allgather's rows) or received (None: the
-    average is in ``outer_grad``'s slice), applied after step ``due``."""
+    average is in ``outer_grad``'s slice), applied after step ``due``. ``target``: what the exchange sums in
+    place (the fragment's slice, or the node's sum of this rank's shard of it)."""
 
-    def __init__(self, fragment: int, due: int, handle=None, gathered=None):
-        self.fragment, self.due, self.handle, self.gathered = fragment, due, handle, gathered
+    def __init__(self, fragment: int, due: int, handle=None, gathered=None, target=None):
+        self.fragment, self.due, self.handle, self.gathered, self.target = fragment, due, handle, gathered, target
 
 
 _DROPPED: list = []
@@ -132,11 +141,15 @@ class StreamingDiLoCo(OuterLoop):
         mu = cfg.outer_momentum
         self.outer_optimizer = torch.optim.SGD(self._outer_params, lr=cfg.outer_lr, momentum=mu,
                                                nesterov=bool(mu and cfg.outer_nesterov))
+        data = self.flat.data  # per fragment: its TwoLevel (None: flat) and where its error lives in self.error
+        self.levels = [two_level_for(cfg, comm, b - a, data) for a, b in self._spans()]
+        sizes = [b - a if lv is None else lv.hi - lv.lo for (a, b), lv in zip(self._spans(), self.levels)]
+        self._error_at = list(zip([0, *accumulate(sizes)], accumulate(sizes)))
         self.codec, self.error = None, None
         if cfg.codec is not None:
             self.codec = make_rank_codec(cfg, self.comm.rank)
             if cfg.error_feedback:
-                self.error = torch.zeros_like(self.flat.data)
+                self.error = torch.zeros(sum(sizes), dtype=data.dtype, device=data.device)
         self._scratch: list[list[torch.Tensor]] = [[] for _ in range(cfg.fragments)]
         self.pending: list[_Exchange] = []
         self.peak_bytes, self.total_bytes = 0, 0
@@ -162,18 +175,20 @@ class StreamingDiLoCo(OuterLoop):
         a, b = self.bounds[p], self.bounds[p + 1]
         delta = self.outer_grad[a:b]
         torch.sub(self.global_params[a:b], self.flat.data[a:b], out=delta)
+        levels = self.levels[p]
+        comm, q = (self.comm, delta) if levels is None else (levels.cross, levels.reduce(delta))
         if self.codec is None:
-            return _Exchange(p, due, self.comm.iallreduce(delta))
+            return _Exchange(p, due, comm.iallreduce(q), target=q)
         if self.error is not None:
-            error = self.error[a:b]
-            delta.add_(error)  # q = Delta + e
-            payload = self.codec.encode(delta)
-            self.codec.decode(payload, b - a, out=error)
-            torch.sub(delta, error, out=error)  # e <- q - C(q)
+            error = self.error[slice(*self._error_at[p])]
+            q.add_(error)  # q = Delta + e
+            payload = self.codec.encode(q)
+            self.codec.decode(payload, q.numel(), out=error)
+            torch.sub(q, error, out=error)  # e <- q - C(q)
         else:
-            payload = self.codec.encode(delta)
-        gathered = torch.empty((self.comm.size, payload.numel()), dtype=payload.dtype, device=payload.device)
-        return _Exchange(p, due, self.comm.iallgather(payload, out=gathered), gathered)
+            payload = self.codec.encode(q)
+        gathered = torch.empty((comm.size, payload.numel()), dtype=payload.dtype, device=payload.device)
+        return _Exchange(p, due, comm.iallgather(payload, out=gathered), gathered, q)
 
     def _receive(self, exchange: _Exchange) -> None:
         """Wait for ``exchange`` and leave the average in ``outer_grad``'s slice (nothing if already received)."""
@@ -182,11 +197,14 @@ class StreamingDiLoCo(OuterLoop):
         exchange.handle.wait()
         p, n = exchange.fragment, self.comm.size
         a, b = self.bounds[p], self.bounds[p + 1]
-        delta, gathered = self.outer_grad[a:b], exchange.gathered
+        delta, q, gathered = self.outer_grad[a:b], exchange.target, exchange.gathered
         if gathered is not None:
-            tree_sum(n, lambda r, buf: self.codec.decode(gathered[r], b - a, out=buf), delta, self._scratch[p])
+            tree_sum(len(gathered), lambda r, buf: self.codec.decode(gathered[r], q.numel(), out=buf), q,
+                     self._scratch[p])
+        if self.levels[p] is not None:
+            self.levels[p].spread(delta, q)
         delta.div_(n)
-        exchange.handle = exchange.gathered = None
+        exchange.handle = exchange.gathered = exchange.target = None
 
     def _receive_all(self) -> None:
         """Wait for every exchange in flight; their averages wait in ``outer_grad`` for their due steps."""
