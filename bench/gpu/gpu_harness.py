@@ -43,6 +43,7 @@ ALGORITHMS = {
     "d2": ({}, False),
     "d2_hier": ({"hierarchical": True}, False),
     "moniqua_d2": ({"bits": 8}, False),
+    "moniqua_d2_hier": ({"bits": 8, "hierarchical": True}, False),
     "choco": ({"codec": "qsgd", "codec_options": {"bits": 4}}, True),
     "choco_hier": ({"codec": "qsgd", "codec_options": {"bits": 4}, "hierarchical": True}, True),
     "choco_overlap": ({"codec": "qsgd", "codec_options": {"bits": 4}, "order": "cta", "overlap": True}, True),
@@ -65,14 +66,20 @@ ALGORITHMS = {
     "ef_signsgd": ({}, False),
     "compressed_sgd": ({"codec": "topk", "codec_options": {"ratio": 0.01}, "error_feedback": True}, False),
     "hsq": ({"d": 8}, False),
+    "hsq_hier": ({"d": 8, "hierarchical": True}, False),
     "allreduce_adam": ({"lr": 1e-3}, False),
     "allreduce_adam_hier": ({"lr": 1e-3, "hierarchical": True}, False),
     "lamb_hier": ({"lr": 1e-3, "hierarchical": True}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
+    "apmsqueeze_hier": ({"lr": 1e-3, "warmup_steps": 5, "hierarchical": True}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
+    "diloco_hier": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}, "hierarchical": True}, False),
     "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path
+    "sparseloco_hier": ({"period": 2, "hierarchical": True}, False),
     "decentralized_diloco": ({"period": 2}, False),
+    "decentralized_diloco_hier": ({"period": 2, "hierarchical": True}, False),
     "streaming_diloco": ({"period": 4, "fragments": 2, "delay": 1}, False),
+    "streaming_diloco_hier": ({"period": 4, "fragments": 2, "delay": 1, "hierarchical": True}, False),
 }
 ASYNCHRONOUS = {"adpsgd", "moniqua_adpsgd"}
 """Which peer state a pull sees depends on timing. Usually a device run and a CPU run see the same and agree
