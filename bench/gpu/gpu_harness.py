@@ -82,9 +82,18 @@ ALGORITHMS = {
     "streaming_diloco_hier": ({"period": 4, "fragments": 2, "delay": 1, "hierarchical": True}, False),
 }
 ASYNCHRONOUS = {"adpsgd", "moniqua_adpsgd"}
-"""Which peer state a pull sees depends on timing. Usually a device run and a CPU run see the same and agree
-exactly, but about one pair in five interleaves differently and their last losses differ by 10-11 %
-(measured with the CPU part of the check): such a pair is run again, up to three times in all."""
+"""Which peer state a pull sees depends on timing: free-running, a device run and a CPU run interleaved
+differently about one pair in five, and their last losses then differed by 10-11 %. Untimed, these take their
+steps in turns (rank 0's step, a barrier, rank 1's, ...), so each pull sees one fixed state and the two runs
+must agree like the synchronous methods; timed runs stay free-running."""
+
+
+def in_turns(mpi_comm, step) -> None:
+    """Collective: ``step()`` on one rank at a time, in rank order, a barrier after each."""
+    for turn in range(mpi_comm.Get_size()):
+        if mpi_comm.Get_rank() == turn:
+            step()
+        mpi_comm.Barrier()
 
 
 def algorithm_name(key: str) -> str:
@@ -163,7 +172,7 @@ def train(mpi_comm, key: str, device: torch.device, steps: int, *, batch: int = 
                 loss, _ = task.loss(algo.model, to_device(x, device))
             prec.backward(loss)
             if prec.ready(algo.flat):
-                algo.step()
+                in_turns(mpi_comm, algo.step) if key in ASYNCHRONOUS and not timed else algo.step()
             if timed:
                 sync(device)
                 step_ms.append(1e3 * (time.perf_counter() - t0))
