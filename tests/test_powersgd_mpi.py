@@ -53,8 +53,9 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
     bucket's order), which the hook then uses because warm start finds it in ``q_memory_dict``.
     Rate 0.5 also compresses the biases (as (a, 1) matrices).
     """
-    if comm.Get_size() == 1 and rank == 2:  # one process: DDP's bucket differs from mpicomm's layout here
-        pytest.xfail("at one rank the rank-2 hook parts from the reference after the warm-up; under investigation")
+    if comm.Get_size() == 1 and rank == 2:
+        pytest.xfail("at one process, rank 2 with warm start parts from the hook and from the QR reference alike "
+                     "after step 4, the gap growing about 10x a step (2e-6 at step 5); at 2 and 4 ranks it agrees")
 
     def body():
         warmup, steps, me = 2, 8, comm.Get_rank()
@@ -90,7 +91,8 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
                 sgd.step()
                 train(algo, 1)
                 torch.testing.assert_close(algo.flat.data, torch.nn.utils.parameters_to_vector(model.parameters()),
-                                           rtol=1e-5, atol=1e-6, msg=f"parameters after step {t + 1}")
+                                           rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, t=t: f"parameters after step {t + 1}: {m}")
             assert compressed == len(algo.layout.matrices)
             assert state.total_numel_after_compression < state.total_numel_before_compression
         finally:
