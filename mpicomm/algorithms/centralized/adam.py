@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
-from ..shared.hierarchy import HierarchicalConfig, two_level_for
+from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 
 __all__ = ["AdamConfig", "AllReduceAdam", "AllReduceAdamConfig"]
 
@@ -91,16 +91,12 @@ class AllReduceAdam(Algorithm):
 
     def _adam_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
-        self._sum_over_ranks(grad).div_(self.comm.size)
+        mean_over_ranks(grad, self.comm, self.two_level)
         self._clip(grad)
         if not self.user_optimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
         self.optimizer.step()
-
-    def _sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
-        """Collective: ``v`` <- its exact sum over all ranks, in place (flat or in two levels); returns ``v``."""
-        return (self.comm if self.two_level is None else self.two_level).allreduce(v)
 
     def adam_state(self) -> dict[str, torch.Tensor]:
         """The live Adam buffers ``{"exp_avg": m, "exp_avg_sq": v, "step": t}`` (empty before the first step)."""

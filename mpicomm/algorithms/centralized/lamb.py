@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_range
-from ..shared.hierarchy import HierarchicalConfig, two_level_for
+from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .adam import AdamConfig
 
 __all__ = ["LAMB", "LAMBConfig", "LAMBTwoLevelConfig"]
@@ -80,7 +80,7 @@ class LAMB(Algorithm):
     def _lamb_step(self, grad: torch.Tensor) -> None:
         """Average ``grad`` over all ranks, update m and v, take the per-layer trust-ratio step."""
         cfg, x = self.config, self.flat.data
-        (self.comm if self.two_level is None else self.two_level).allreduce(grad).div_(self.comm.size)
+        mean_over_ranks(grad, self.comm, self.two_level)
         self.m.lerp_(grad, 1 - cfg.beta1)
         self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
         torch.sqrt(self.v, out=self._denom).add_(cfg.eps)

@@ -150,16 +150,22 @@ class OuterLoop(Algorithm):
     def _average(self, delta: torch.Tensor, round_index: int) -> None:
         """Communication round ``round_index``: replace this rank's pseudo-gradient ``delta`` by the average used."""
 
+    @property
+    def between(self):
+        """The Communicator the method's exchange spans: the world, or (``self.two_level``) this local rank's
+        ranks on every node."""
+        return self.comm if self.two_level is None else self.two_level.cross
+
     def _summed(self, delta: torch.Tensor, exchange) -> None:
-        """Collective: ``delta`` <- its sum over all ranks by ``exchange(v, comm)``, the method's in-place sum of
-        ``v`` over ``comm``: over the world, or (``self.two_level``) on the node's sum of this rank's shard
-        between nodes, then every shard back inside the node."""
+        """Collective: ``delta`` <- its sum over all ranks by ``exchange(v)``, the method's in-place sum of ``v``
+        over :attr:`between`: of ``delta`` itself, or (``self.two_level``) of the node's sum of this rank's
+        shard, then every shard back inside the node."""
         levels = self.two_level
         if levels is None:
-            exchange(delta, self.comm)
+            exchange(delta)
             return
         shard = levels.reduce(delta)
-        exchange(shard, levels.cross)
+        exchange(shard)
         levels.spread(delta, shard)
 
     def _extra_state(self):
@@ -207,19 +213,19 @@ class DiLoCo(OuterLoop):
         if self.config.codec is not None:
             numel = self.flat.numel if levels is None else levels.hi - levels.lo
             self.codec = make_rank_codec(self.config, self.comm.rank)
-            self.payload_sum = PayloadSum(self.comm if levels is None else levels.cross, self.codec, numel)
+            self.payload_sum = PayloadSum(self.between, self.codec, numel)
             self.error = torch.zeros(numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
 
     def _average(self, delta, round_index):
         self._summed(delta, self._sum if self.codec is None else self._compressed_sum)
         delta.div_(self.comm.size)
 
-    @staticmethod
-    def _sum(v: torch.Tensor, comm) -> None:
-        comm.allreduce(v)
+    def _sum(self, v: torch.Tensor) -> None:
+        """``v`` <- its exact sum over :attr:`between`."""
+        self.between.allreduce(v)
 
-    def _compressed_sum(self, v: torch.Tensor, comm) -> None:
-        """``v`` <- sum over ``comm`` of C(p_r), p = v + e, e <- p - C(p) (``self.payload_sum`` spans ``comm``)."""
+    def _compressed_sum(self, v: torch.Tensor) -> None:
+        """``v`` <- sum over :attr:`between` of C(p_r), p = v + e, e <- p - C(p)."""
         v.add_(self.error)  # p = Delta + e
         payload = self.codec.encode(v)
         self.codec.decode(payload, v.numel(), out=self.error)

@@ -74,15 +74,15 @@ class SparseLoCo(OuterLoop):
         self.two_level = levels = two_level_for(self.config, comm, self.flat.numel, self.flat.data)
         numel = self.flat.numel if levels is None else levels.hi - levels.lo
         self.codec = ChunkedTopKCodec(self.config.density, self.config.chunk, self.config.bits)
-        self.payload_sum = PayloadSum(self.comm if levels is None else levels.cross, self.codec, numel)
+        self.payload_sum = PayloadSum(self.between, self.codec, numel)
         self.error = torch.zeros(numel, dtype=self.flat.data.dtype, device=self.flat.data.device)
 
     def _average(self, delta, round_index):
         self._summed(delta, self._compressed_sum)
         delta.div_(self.comm.size)
 
-    def _compressed_sum(self, v: torch.Tensor, comm) -> None:
-        """``v`` <- sum over ``comm`` of C(e_r), e <- beta e + v, e <- e - C(e) (``payload_sum`` spans ``comm``)."""
+    def _compressed_sum(self, v: torch.Tensor) -> None:
+        """``v`` <- sum over :attr:`between` of C(e_r), e <- beta e + v, e <- e - C(e)."""
         self.error.mul_(self.config.ef_decay).add_(v)  # e <- beta e + Delta
         payload = self.codec.encode(self.error)
         self.error.sub_(self.codec.decode(payload, v.numel(), out=v))  # e <- e - C(e)

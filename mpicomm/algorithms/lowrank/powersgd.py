@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
-from ..shared.hierarchy import HierarchicalConfig, ShardOfFlat, group_layers, two_level_for
+from ..shared.hierarchy import HierarchicalConfig, ShardOfFlat, group_layers, mean_over_ranks, two_level_for
 from .layout import LowRankLayout, orthogonalize
 
 __all__ = ["PowerSGD", "PowerSGDConfig"]
@@ -100,8 +100,7 @@ class PowerSGD(Algorithm):
     def _step(self, grad: torch.Tensor) -> None:
         levels = self.two_level
         if self.phase == "warmup":
-            (self.comm if levels is None else levels).allreduce(grad)
-            grad.div_(self.comm.size)
+            mean_over_ranks(grad, self.comm, levels)
         elif levels is None:
             self._compress(grad)
         else:  # the node's sum of my group of tensors, compressed between nodes, then every group back

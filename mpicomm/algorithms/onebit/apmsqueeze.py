@@ -28,6 +28,7 @@ import torch
 
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
+from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
@@ -134,7 +135,7 @@ class APMSqueeze(AllReduceAdam):
             super()._adam_step(grad)
             return
         cfg, x = self.config, self.flat.data
-        self._sum_over_ranks(grad).div_(self.comm.size)
+        mean_over_ranks(grad, self.comm, self.two_level)
         state = self.optimizer.state[self.param]
         if not state:
             state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(x), exp_avg_sq=torch.zeros_like(x))

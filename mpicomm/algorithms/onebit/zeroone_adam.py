@@ -29,7 +29,7 @@ import torch
 
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
-from ..shared.hierarchy import HierarchicalConfig, two_level_for
+from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import check_float32, onebit_average_for
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
@@ -94,13 +94,9 @@ class ZeroOneAdam(Algorithm):
     def _average(self, vec: torch.Tensor) -> torch.Tensor:
         """``vec`` <- the average over ranks (1-bit with error feedback, or exact without compression)."""
         if not self.config.compression:
-            return self._sum_over_ranks(vec).div_(self.comm.size)
+            return mean_over_ranks(vec, self.comm, self.two_level)
         self.onebit.input.copy_(vec)
         return vec.copy_(self.onebit.average())
-
-    def _sum_over_ranks(self, v: torch.Tensor) -> torch.Tensor:
-        """Collective: ``v`` <- its exact sum over all ranks, in place (flat or in two levels); returns ``v``."""
-        return (self.comm if self.two_level is None else self.two_level).allreduce(v)
 
     def _step(self, grad: torch.Tensor) -> None:
         cfg, s, x = self.config, self.schedule, self.flat.data
@@ -109,7 +105,7 @@ class ZeroOneAdam(Algorithm):
         self.counts[kind] += 1
         if kind in ("variance", "compressed"):
             if kind == "variance":
-                self._sum_over_ranks(grad).div_(self.comm.size)
+                mean_over_ranks(grad, self.comm, self.two_level)
                 self.m.lerp_(grad, 1 - cfg.beta1)
                 self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
             else:

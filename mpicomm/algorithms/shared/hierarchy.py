@@ -43,7 +43,7 @@ from .gossip import gossip_average
 
 __all__ = ["GossipTwoLevelConfig", "HierarchicalConfig", "NodeGossip", "NodeGraphConfig", "ShardOfFlat", "TwoLevel",
            "TwoLevelConfig", "group_layers", "layer_aligned_counts", "node_gossip_for", "node_topology_for",
-           "shard_layers", "two_level_for"]
+           "mean_over_ranks", "shard_layers", "two_level_for"]
 
 _WORDS = {"auto": None, "on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
 
@@ -127,6 +127,13 @@ class TwoLevel:
         """Collective: ``v`` <- its sum over all ranks, in place (node sum, allreduce of the shard between
         nodes, allgather inside the node); returns ``v``."""
         return self.spread(v, self.cross.allreduce(self.reduce(v)))
+
+
+def mean_over_ranks(v: torch.Tensor, comm: Communicator, levels: TwoLevel | None) -> torch.Tensor:
+    """Collective: ``v`` <- its exact mean over all of ``comm``'s ranks, in place, in two levels through
+    ``levels`` when it is set, else by one flat allreduce; returns ``v``."""
+    (comm if levels is None else levels).allreduce(v)
+    return v.div_(comm.size)
 
 
 def _levels_wanted(config, comm: Communicator):
