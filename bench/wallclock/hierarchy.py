@@ -3,6 +3,9 @@
     python bench/wallclock/hierarchy.py [--methods allreduce_sgd,qsgd,terngrad,signsgd] [--networks 10gbit,1gbit]
                                         [--steps 15] [--fresh]
 
+A case already in the committed docs/results/hierarchy.json (same steps) is kept unless ``--fresh``, so new
+methods can be added a few at a time.
+
 8 ranks as 4 emulated nodes of 2 (``MPICOMM_RANKS_PER_NODE=2``), each case a real ``mpiexec`` job of
 ``apps/train_resnet.py`` (ResNet-20, the embedded digits, batch 16 per rank, ``--steps`` steps, one small
 evaluation at the end) under a modelled network of two link classes (docs/network.md, "Two networks"):
@@ -13,8 +16,12 @@ evaluation at the end) under a modelled network of two link classes (docs/networ
 Methods: ``allreduce_sgd`` (lr 0.1, momentum 0.9), ``qsgd`` (4 bits, bucket_size 512), ``terngrad`` (lr 0.1,
 momentum 0.9), ``signsgd`` (majority vote, lr 0.001, momentum 0.9), ``dpsgd`` (ring, lr 0.1, momentum 0.9),
 ``d2`` (ring, lr 0.1), ``choco`` (ring, 4-bit QSGD, gamma 0.6, lr 0.1, momentum 0.9), ``allreduce_adam``
-(lr 0.002), ``dcd`` (ring, 4-bit QSGD, lr 0.1, momentum 0.9) and ``moniqua`` (ring, its defaults, lr 0.1,
-momentum 0.9), each run twice with the same seed:
+(lr 0.002), ``dcd`` (ring, 4-bit QSGD, lr 0.1, momentum 0.9), ``moniqua`` (ring, its defaults, lr 0.1,
+momentum 0.9), ``hsq`` (d = 16), ``powersgd`` (rank 2, 3 warm-up steps), ``lamb``, ``apmsqueeze``, ``zeroone_adam``
+and ``onebit_lamb`` (lr 0.002, 3 warm-up steps where there are any), ``moniqua_d2`` (ring, lr 0.1), ``pdsgdm``
+and ``cpdsgdm`` (ring, period 4; 4-bit QSGD, gamma 0.6), ``powergossip`` (ring), ``diloco``, ``sparseloco`` and
+``decentralized_diloco`` (5 inner steps a round) and ``streaming_diloco`` (8, its 4 fragments), each run twice
+with the same seed:
 
 * ``flat``: ``--hierarchical off``, one collective over all 8 ranks, charged and booked at the ``inter`` link;
 * ``two-level``: ``--hierarchical on``, reduce-scatter inside the node, the method's exchange of each local
@@ -58,6 +65,7 @@ Writes docs/results/hierarchy.{md,json}; the runs go to bench/results/runs/hiera
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import fields
@@ -65,7 +73,7 @@ from dataclasses import fields
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from bench.apprun import AppRun, launch  # noqa: E402
-from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
+from bench.common import RESULTS, RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 RANKS = 8
 RANKS_PER_NODE = 2
@@ -83,8 +91,24 @@ METHODS = {  # the method's options
     "allreduce_adam": ["--lr", "0.002", "--momentum", "0"],
     "dcd": [*SGD, "--topology", "ring", "--codec", "qsgd", "--codec-options", "bits=4"],
     "moniqua": [*SGD, "--topology", "ring"],
+    "hsq": [*SGD, "--d", "16"],
+    "powersgd": [*SGD, "--rank", "2", "--warmup-steps", "3"],
+    "lamb": ["--lr", "0.002", "--momentum", "0"],
+    "apmsqueeze": ["--lr", "0.002", "--momentum", "0", "--warmup-steps", "3"],
+    "zeroone_adam": ["--lr", "0.002", "--momentum", "0"],
+    "onebit_lamb": ["--lr", "0.002", "--momentum", "0", "--warmup-steps", "3"],
+    "moniqua_d2": ["--lr", "0.1", "--momentum", "0", "--topology", "ring"],
+    "pdsgdm": [*SGD, "--topology", "ring", "--period", "4"],
+    "cpdsgdm": [*SGD, "--topology", "ring", "--period", "4", "--codec", "qsgd", "--codec-options", "bits=4",
+                "--gamma", "0.6"],
+    "powergossip": [*SGD, "--topology", "ring"],
+    "diloco": [*SGD, "--period", "5"],
+    "sparseloco": [*SGD, "--period", "5"],
+    "streaming_diloco": [*SGD, "--period", "8"],
+    "decentralized_diloco": [*SGD, "--topology", "ring", "--period", "5"],
 }
-GOSSIP = {"dpsgd", "d2", "choco", "dcd", "moniqua"}  # methods whose two-level form is a gossip between nodes
+GOSSIP = {"dpsgd", "d2", "choco", "dcd", "moniqua", "moniqua_d2", "pdsgdm", "cpdsgdm", "powergossip",
+          "decentralized_diloco"}  # methods whose two-level form is a gossip between nodes
 LAYOUTS = {"flat": "off", "two-level": "on"}  # case label -> --hierarchical
 JOB_ENV = {"MPICOMM_RANKS_PER_NODE": str(RANKS_PER_NODE), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
@@ -125,6 +149,17 @@ def table_row(network: str, method: str, flat: dict, two_level: dict, verdict: d
             f"{verdict['largest_train_loss_gap']:.2g}"]
 
 
+def committed(steps: int) -> dict:
+    """The committed docs/results/hierarchy.json's results (by network, then method) if measured over ``steps``
+    steps, else {}: a case found there is reused unless ``--fresh``."""
+    path = os.path.join(RESULTS, "hierarchy.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        previous = json.load(f)
+    return previous["results"] if previous.get("steps") == steps else {}
+
+
 def no_overlap(method: str) -> list[str]:
     """``--no-overlap`` for a method that has the option (two levels exclude it), else nothing."""
     from mpicomm.algorithms.registry import ALGORITHMS
@@ -138,8 +173,8 @@ def gossip_note() -> str:
 
     nodes = RANKS // RANKS_PER_NODE
     flat, two_level = topology.ring(RANKS).spectral_gap(), topology.ring(nodes).spectral_gap()
-    return (f"Gossip methods (D-PSGD, D², CHOCO, DCD, Moniqua): the flat ring sends to both neighbours, booked "
-            f"between nodes; on "
+    return ("Gossip methods (D-PSGD, D², CHOCO, DCD, Moniqua, Moniqua-D², PD-/CPD-SGDM, PowerGossip, decentralized "
+            "DiLoCo): the flat ring sends to both neighbours, booked between nodes; on "
             f"real nodes one neighbour shares the node, so the real flat inter-node bytes are half those booked, "
             f"about the two-level run's. The two-level gossip gains in mixing: its matrix (ring of {nodes} nodes ⊗ "
             f"node average) has spectral gap {two_level:.3f} against {flat:.3f} for the ring of {RANKS} ranks.")
@@ -161,9 +196,11 @@ def main() -> None:
     enter_loopback_namespace()
     base = ["--model", "resnet20", "--dataset", "digits", "--batch-size", "16", "--max-steps", str(args.steps),
             "--log-every", "1", "--eval-every", str(10 * args.steps), "--eval-limit", "64", "--eval-bn-batches", "2"]
-    rows, results = [], {}
+    results = committed(args.steps)
     for network in networks:
         for method in methods:
+            if method in results.get(network, {}) and not args.fresh:
+                continue
             summary = {}
             for layout, hierarchical in LAYOUTS.items():
                 run_dir = os.path.join(RUNS, "hierarchy", network, f"{method}-{layout}")
@@ -172,9 +209,10 @@ def main() -> None:
                               *METHODS[method], "--hierarchical", hierarchical], run_dir, fresh=args.fresh,
                              env=JOB_ENV)
                 summary[layout] = summarize(run)
-            verdict = compare(summary["flat"], summary["two-level"])
-            rows.append(table_row(network, method, summary["flat"], summary["two-level"], verdict))
-            results.setdefault(network, {})[method] = {**summary, **verdict}
+            results.setdefault(network, {})[method] = {**summary, **compare(summary["flat"], summary["two-level"])}
+    results = {n: {m: results[n][m] for m in METHODS if m in results[n]} for n in NETWORKS if n in results}
+    rows = [table_row(n, m, r["flat"], r["two-level"], r) for n, by_method in results.items()
+            for m, r in by_method.items()]
     header = ["network", "method", "inter-node kB/step, flat / two-level", "ratio",
               f"target <= {INTER_RATIO_TARGET:g}", "intra-node kB/step, flat / two-level",
               "modelled comm ms/step, flat / two-level", "ratio", "target two-level < flat",
@@ -182,20 +220,21 @@ def main() -> None:
               "final train loss, flat / two-level", "largest per-step train-loss gap"]
     met = sum(p["inter_target_met"] + p["comm_target_met"] for n in results.values() for p in n.values())
     notes = (f"Per rank (rank 0's Ledger) and step, steps 2..{args.steps}. Networks: "
-             + ", ".join(f"{n} = `--net {NETWORKS[n]}`" for n in networks)
+             + ", ".join(f"{n} = `--net {NETWORKS[n]}`" for n in results)
              + ". The flat run books every byte between nodes (a flat collective goes at its slowest link). "
              "Modelled comm is the modelled transfer time the rank waited for (all exchanges blocking); compute "
              "is the step less the time blocked in communication, so on 2 shared cores running 8 ranks it is "
              "mostly waiting for a core and the step time follows it, not the network. Losses: mean over ranks "
              "of the training loss of the last step; the gap is the largest difference between the flat and "
              f"two-level runs' per-step losses. Targets met: {met} of {2 * len(rows)}.")
-    if set(methods) & GOSSIP:
+    if any(GOSSIP & set(by_method) for by_method in results.values()):
         notes += " " + gossip_note()
     title = (f"Two-level exchange against flat, {RANKS} ranks as {RANKS // RANKS_PER_NODE} emulated nodes x "
              f"{RANKS_PER_NODE} (MPICOMM_RANKS_PER_NODE={RANKS_PER_NODE}), ResNet-20, digits, batch 16 per rank, "
              f"{args.steps} steps")
     payload = {"ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "steps": args.steps, "networks":
-               {n: NETWORKS[n] for n in networks}, "methods": {m: METHODS[m] for m in methods},
+               {n: NETWORKS[n] for n in results},
+               "methods": {m: METHODS[m] for m in METHODS if any(m in by_method for by_method in results.values())},
                "inter_ratio_target": INTER_RATIO_TARGET, "results": results}
     write_table("hierarchy", title, markdown_table(header, rows) + "\n\n" + notes, payload)
 
