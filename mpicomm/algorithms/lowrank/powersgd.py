@@ -12,8 +12,9 @@ uncompressed slices u of :mod:`.layout`::
     allreduce #2:  Q = (1/n) sum_i Q_i;    Delta = P̂ Q^T per matrix, u elsewhere
     Delta <- Delta + weight_decay * x;   m <- mu m + Delta;   x <- x - alpha m      (torch.optim.SGD)
 
-Parameters stay identical on all ranks. How it differs from torch's ``powerSGD_hook``, traffic and
-the exact reduction: ``docs/algorithms/lowrank.md``.
+Parameters stay identical on all ranks. ``overlap=True`` runs both allreduces bucket by bucket during
+backward, as torch's hook does, bit-identical to the step above (:mod:`.bucketed`). How it differs from
+torch's ``powerSGD_hook``, traffic and the exact reduction: ``docs/algorithms/lowrank.md``.
 
 ``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
 the L local ranks of a node split the tensors into L groups of whole tensors (a matrix keeps its shape); rank
@@ -32,20 +33,23 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
-from ..shared.hierarchy import HierarchicalConfig, ShardOfFlat, group_layers, mean_over_ranks, two_level_for
+from ..shared.buckets import LaunchedTraffic
+from ..shared.hierarchy import ShardOfFlat, TwoLevelConfig, group_layers, mean_over_ranks, two_level_for
+from .bucketed import BucketedPowerSGD
 from .layout import LowRankLayout, orthogonalize
 
 __all__ = ["PowerSGD", "PowerSGDConfig"]
 
 
 @dataclass(frozen=True)
-class PowerSGDConfig(HierarchicalConfig):
+class PowerSGDConfig(TwoLevelConfig):
     """PowerSGD options.
 
     rank: r of every compressed matrix. warmup_steps: fp32 AllReduce-SGD steps first.
     min_compression_rate: compress a matrix only if it shrinks by more than this. error_feedback: add
     what compression dropped to the next step's gradient. warm_start: reuse Q across steps. epsilon:
-    added to column norms when orthogonalizing. hierarchical: see the module docstring.
+    added to column norms when orthogonalizing. overlap: both allreduces bucket by bucket during backward
+    (:mod:`.bucketed`; bucket sizes: see OverlapConfig). hierarchical: see the module docstring.
     """
 
     rank: int = 1
@@ -66,7 +70,7 @@ class PowerSGDConfig(HierarchicalConfig):
         check_range("epsilon", self.epsilon, lo=0.0)
 
 
-class PowerSGD(Algorithm):
+class PowerSGD(LaunchedTraffic, Algorithm):
     """AllReduce-SGD warm-up, then rank-r PowerSGD with warm-started Q and error feedback."""
 
     name = "powersgd"
@@ -91,15 +95,24 @@ class PowerSGD(Algorithm):
         self.generator = torch.Generator().manual_seed(cfg.seed)
         lay.draw_q(self.q, self.generator)
         self.optimizer = self._local_sgd()
+        self.bucketed = BucketedPowerSGD(self, cfg.bucket_numel, cfg.first_bucket_numel) if cfg.overlap else None
 
     @property
     def phase(self) -> str:
         """``"warmup"`` or ``"compression"``: the phase the next :meth:`step` runs in."""
         return "warmup" if self.step_count < self.config.warmup_steps else "compression"
 
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """With overlap each bucket was divided by the micro-batch count at its launch: nothing here."""
+        if self.bucketed is None:
+            super()._prepare(grad)
+
     def _step(self, grad: torch.Tensor) -> None:
         levels = self.two_level
-        if self.phase == "warmup":
+        self._first_launch = None
+        if self.bucketed is not None:
+            self._first_launch = self.bucketed.finish(grad)
+        elif self.phase == "warmup":
             mean_over_ranks(grad, self.comm, levels)
         elif levels is None:
             self._compress(grad)
