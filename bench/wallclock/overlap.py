@@ -18,7 +18,8 @@ before or during compute is credited with the compute it overlapped). Cases, int
 * ``overlap`` (gossip methods): the exchange of x(t) posted non-blocking before the forward pass and
   completed in ``step()``.
 
-``--algorithms`` takes ``allreduce_sgd``, ``qsgd`` (4 bits, bucket_size 512), ``signsgd``, and the gossip
+``--algorithms`` takes ``allreduce_sgd``, ``qsgd`` (4 bits, bucket_size 512), ``signsgd``, ``powersgd`` (rank 2,
+2 warm-up steps: both allreduces per bucket), and the gossip
 methods ``dpsgd``, ``moniqua`` (default options), ``choco`` (its default codec, ``--order cta``, the
 order that overlaps), ``pdsgdm`` and ``cpdsgdm`` (``--order cta --period 2``: a round every second step,
 posted before that step's forward pass). Reported: the median over rounds of the mean seconds per step (steps
@@ -63,6 +64,7 @@ ALGORITHMS = {  # the algorithm's options, and its cases
     "allreduce_sgd": (["--momentum", "0.9"], CASES),
     "qsgd": (["--momentum", "0.9", "--bits", "4"], [CASES[0], CASES[2]]),
     "signsgd": (["--lr", "0.001", "--momentum", "0.9"], [CASES[0], CASES[2]]),
+    "powersgd": (["--momentum", "0.9", "--rank", "2", "--warmup-steps", "2"], [CASES[0], CASES[2]]),
     "dpsgd": ([], GOSSIP_CASES),
     "moniqua": ([], GOSSIP_CASES),
     "choco": (["--order", "cta"], GOSSIP_CASES),
