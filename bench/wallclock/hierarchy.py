@@ -17,11 +17,11 @@ Methods: ``allreduce_sgd`` (lr 0.1, momentum 0.9), ``qsgd`` (4 bits, bucket_size
 momentum 0.9), ``signsgd`` (majority vote, lr 0.001, momentum 0.9), ``dpsgd`` (ring, lr 0.1, momentum 0.9),
 ``d2`` (ring, lr 0.1), ``choco`` (ring, 4-bit QSGD, gamma 0.6, lr 0.1, momentum 0.9), ``allreduce_adam``
 (lr 0.002), ``dcd`` (ring, 4-bit QSGD, lr 0.1, momentum 0.9), ``moniqua`` (ring, its defaults, lr 0.1,
-momentum 0.9), ``hsq`` (d = 16), ``powersgd`` (rank 2, 3 warm-up steps), ``lamb``, ``apmsqueeze``, ``zeroone_adam``
-and ``onebit_lamb`` (lr 0.002, 3 warm-up steps where there are any), ``moniqua_d2`` (ring, lr 0.1), ``pdsgdm``
-and ``cpdsgdm`` (ring, period 4; 4-bit QSGD, gamma 0.6), ``powergossip`` (ring), ``diloco``, ``sparseloco`` and
-``decentralized_diloco`` (5 inner steps a round) and ``streaming_diloco`` (8, its 4 fragments), each run twice
-with the same seed:
+momentum 0.9), ``hsq`` (d = 16), ``powersgd`` (rank 2, 3 warm-up steps), ``lamb``, ``apmsqueeze``,
+``zeroone_adam`` and ``onebit_lamb`` (lr 0.002; 3 warm-up or freeze steps where they have them), ``moniqua_d2``
+(ring, lr 0.1), ``pdsgdm`` and ``cpdsgdm`` (ring, period 4; 4-bit QSGD, gamma 0.6), ``powergossip`` (ring),
+``diloco``, ``sparseloco`` and ``decentralized_diloco`` (5 inner steps a round) and ``streaming_diloco`` (8, its
+4 fragments), each run twice with the same seed:
 
 * ``flat``: ``--hierarchical off``, one collective over all 8 ranks, charged and booked at the ``inter`` link;
 * ``two-level``: ``--hierarchical on``, reduce-scatter inside the node, the method's exchange of each local
@@ -96,7 +96,7 @@ METHODS = {  # the method's options
     "lamb": ["--lr", "0.002", "--momentum", "0"],
     "apmsqueeze": ["--lr", "0.002", "--momentum", "0", "--warmup-steps", "3"],
     "zeroone_adam": ["--lr", "0.002", "--momentum", "0"],
-    "onebit_lamb": ["--lr", "0.002", "--momentum", "0", "--warmup-steps", "3"],
+    "onebit_lamb": ["--lr", "0.002", "--momentum", "0", "--freeze-step", "3"],
     "moniqua_d2": ["--lr", "0.1", "--momentum", "0", "--topology", "ring"],
     "pdsgdm": [*SGD, "--topology", "ring", "--period", "4"],
     "cpdsgdm": [*SGD, "--topology", "ring", "--period", "4", "--codec", "qsgd", "--codec-options", "bits=4",
