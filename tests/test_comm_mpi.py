@@ -116,16 +116,26 @@ def test_receive_buffers_are_reused(comm):
     run_all(comm, body)
 
 
-def test_neighbor_alltoallv_per_destination_payloads(comm):
+@pytest.mark.parametrize("blocking, stage", [(True, "auto"), (False, "auto"), (False, "always")])
+def test_neighbor_alltoallv_per_destination_payloads(comm, blocking, stage):
     def body():
-        c = Communicator(comm, topo.exponential(comm.Get_size(), symmetric=False))
+        c = Communicator(comm, topo.exponential(comm.Get_size(), symmetric=False), stage=stage)
         dests, sources = c.out_neighbors(), c.in_neighbors()
         # length of the message from a to b is 3 + a + 2 b; values encode (a, b)
         sends = [torch.full((3 + c.rank + 2 * d,), float(100 * c.rank + d)) for d in dests]
-        got = c.neighbor_alltoallv(sends, [3 + s + 2 * c.rank for s in sources])
+        counts = [3 + s + 2 * c.rank for s in sources]
+        if blocking:
+            got = c.neighbor_alltoallv(sends, counts)
+        else:
+            handle = c.ineighbor_alltoallv(sends, counts)
+            for t in sends:
+                t.fill_(-1.0)  # copied at the call: changing the sends in flight changes nothing
+            later = c.neighbor_alltoallv([t * 0 for t in sends], counts)  # reuses the blocking call's buffers
+            got = handle.wait()
+            assert all(torch.equal(t, torch.zeros_like(t)) for t in later)
         for s, t in zip(sources, got):
             assert torch.equal(t, torch.full((3 + s + 2 * c.rank,), float(100 * s + c.rank)))
-        assert c.ledger.bytes_sent() == 4 * sum(3 + c.rank + 2 * d for d in dests)
+        assert c.ledger.bytes_sent() == (1 if blocking else 2) * 4 * sum(3 + c.rank + 2 * d for d in dests)
 
     run_all(comm, body)
 

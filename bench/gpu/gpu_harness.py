@@ -83,6 +83,7 @@ ALGORITHMS = {
     "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path
     "sparseloco_hier": ({"period": 2, "hierarchical": True}, False),
     "powergossip": ({"momentum": 0.9}, False),
+    "powergossip_overlap": ({"momentum": 0.9, "order": "cta", "overlap": True}, False),
     "decentralized_diloco": ({"period": 2}, False),
     "decentralized_diloco_hier": ({"period": 2, "hierarchical": True}, False),
     "streaming_diloco": ({"period": 4, "fragments": 2, "delay": 1}, False),

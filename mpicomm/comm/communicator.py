@@ -322,35 +322,53 @@ class Communicator:
         ``recv_numels[k]`` is the element count expected from the k-th in-neighbour (payload sizes are
         known from the codec, so no count exchange is needed). All tensors share one dtype and device.
         """
+        return self._neighbor_alltoallv(sends, recv_numels, step, blocking=True)
+
+    def ineighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int], step: int = 0) -> Handle:
+        """Non-blocking :meth:`neighbor_alltoallv` (``sends`` are copied at the call); ``wait()`` returns the list of
+        received tensors (fresh buffers, valid after later calls)."""
+        return self._neighbor_alltoallv(sends, recv_numels, step, blocking=False)
+
+    def _neighbor_alltoallv(self, sends, recv_numels, step, blocking):
         topo, graph = self._graphs[step % len(self._graphs)]
         sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
+        op = "neighbor_alltoallv" if blocking else "ineighbor_alltoallv"
         if len(sends) != len(dests) or len(recv_numels) != len(sources):
             raise ValueError(
-                f"neighbor_alltoallv: rank {self.rank} has {len(dests)} out-neighbours and {len(sources)} "
+                f"{op}: rank {self.rank} has {len(dests)} out-neighbours and {len(sources)} "
                 f"in-neighbours at step {step}; got {len(sends)} send tensors and {len(recv_numels)} counts"
             )
         like = sends[0] if sends else torch.empty(0)
         send_counts = [int(t.numel()) for t in sends]
-        packed_send = self._recv_buffer("neighbor_alltoallv:send", (sum(send_counts),), like)
+        if blocking:  # cached buffers: the next call may reuse them
+            packed_send = self._recv_buffer("neighbor_alltoallv:send", (sum(send_counts),), like)
+            packed_recv = self._recv_buffer("neighbor_alltoallv", (sum(recv_numels),), like)
+        else:  # its own buffers, alive until the handle is waited for and after
+            packed_send = like.new_empty(sum(send_counts))
+            packed_recv = like.new_empty(sum(recv_numels))
         if sends:
             torch.cat([t.reshape(-1) for t in sends], out=packed_send)
-        packed_recv = self._recv_buffer("neighbor_alltoallv", (sum(recv_numels),), like)
-        sbuf = self.router.outbound("neighbor_alltoallv", packed_send)
-        rbuf, land = self.router.inbound("neighbor_alltoallv", packed_recv)
+        sbuf = self.router.outbound("neighbor_alltoallv", packed_send, hold=not blocking)
+        rbuf, land = self.router.inbound("neighbor_alltoallv", packed_recv, hold=not blocking)
         size = like.element_size()
         sdispl, rdispl = _displacements(send_counts), _displacements(recv_numels)
-        self._run(
-            "neighbor_alltoallv", lambda model: model.neighbor(sum(send_counts) * size, sum(recv_numels) * size),
-            lambda: graph.Neighbor_alltoallv(
-                [as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
-                [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE],
-            ),
-        )
-        land()
-        self._book("neighbor_alltoallv", sum(send_counts) * size,
-                           {d: c * size for d, c in zip(dests, send_counts)},
-                           {s: c * size for s, c in zip(sources, recv_numels)})
-        return [packed_recv[d:d + c] for d, c in zip(rdispl, recv_numels)]
+        args = ([as_bytes(sbuf)[0], [c * size for c in send_counts], [d * size for d in sdispl], MPI.BYTE],
+                [as_bytes(rbuf)[0], [c * size for c in recv_numels], [d * size for d in rdispl], MPI.BYTE])
+
+        def cost(model: CostModel) -> float:
+            return model.neighbor(sum(send_counts) * size, sum(recv_numels) * size)
+
+        def finish():
+            land()
+            self.router.release(sbuf)
+            return [packed_recv[d:d + c] for d, c in zip(rdispl, recv_numels)]
+
+        self._book("neighbor_alltoallv", sum(send_counts) * size, {d: c * size for d, c in zip(dests, send_counts)},
+                   {s: c * size for s, c in zip(sources, recv_numels)})
+        if blocking:
+            self._run(op, cost, lambda: graph.Neighbor_alltoallv(*args))
+            return finish()
+        return self._handle(graph.Ineighbor_alltoallv(*args), finish, cost, op)
 
     # ------------------------------------------------------------------ centralized collectives
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:

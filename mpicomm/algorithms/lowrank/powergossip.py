@@ -15,6 +15,11 @@ Every edge moves its two ends by opposite amounts, so the average is preserved. 
 compressing are mixed in full precision. Traffic per round: two ``neighbor_alltoallv``. Details:
 ``docs/algorithms/lowrank.md``.
 
+``overlap=True`` (with ``order="cta"``, the round on x(t)): ``begin_step()`` computes the first messages
+X_i Q_e from x(t) and posts their exchange before the forward pass; ``step()`` waits for it and runs the
+second exchange (Q, which needs the neighbours' P) blocking -- bit for bit the blocking round. With
+``order="atc"`` the round mixes the model after this step's gradient, so ``overlap`` is refused.
+
 ``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
 the node's exact average first, then the round above between nodes on the graph of nodes (``node_topology``,
 symmetric), the L local ranks of a node each carrying a group of whole tensors (its Q per neighbouring node),
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_int, check_range
-from ..shared.hierarchy import NodeGraphConfig, ShardOfFlat, group_layers, node_gossip_for
+from ..shared.hierarchy import GossipTwoLevelConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from .layout import LowRankLayout, orthogonalize
 
@@ -38,10 +43,11 @@ __all__ = ["PowerGossip", "PowerGossipConfig"]
 
 
 @dataclass(frozen=True)
-class PowerGossipConfig(NodeGraphConfig, OrderConfig):
+class PowerGossipConfig(GossipTwoLevelConfig, OrderConfig):
     """rank: r of every compressed matrix; gamma: consensus step in (0, 1]; min_compression_rate: as
     PowerSGD's; epsilon: added to column norms when orthogonalizing (keeps a zero difference at zero).
-    hierarchical, node_topology: see the module docstring."""
+    overlap: with order="cta", post the round's first exchange in begin_step(). hierarchical, node_topology:
+    see the module docstring."""
 
     rank: int = 1
     gamma: float = 1.0
@@ -55,6 +61,9 @@ class PowerGossipConfig(NodeGraphConfig, OrderConfig):
         check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
         check_range("min_compression_rate", self.min_compression_rate, lo=0.0)
         check_range("epsilon", self.epsilon, lo=0.0)
+        if self.overlap and self.order != "cta":
+            raise ValueError("overlap=True needs order='cta': with 'atc' the round mixes the model after this "
+                             "step's gradient, so it cannot start before the backward pass")
 
 
 def _check_symmetric(schedule, option: str) -> None:
@@ -103,22 +112,44 @@ class PowerGossip(PeriodicGossip):
         else:
             self.node_gossip.mix_with(self.flat.data, round_index, self._low_rank_round)
 
-    def _low_rank_round(self, x: torch.Tensor, round_index: int) -> None:
-        """One round of the module docstring on ``x`` (this rank's model, or its node's average of its group)
-        over ``self.graph``, in place."""
-        cfg, lay, rank = self.config, self.layout, self.vertex
-        topo = self.graph.topology(round_index)
-        nbrs, weights = topo.in_neighbors(rank), topo.neighbor_weights(rank)
-        if not nbrs:
-            return
-        first = []
+    def _first_messages(self, x: torch.Tensor, nbrs) -> list[torch.Tensor]:
+        """The round's first messages, one per neighbour j: [X Q_e for every matrix | the plain slices]."""
+        lay, first = self.layout, []
         for j in nbrs:
             send = x.new_empty(lay.p_numel + lay.plain_numel)
             for mat in lay.matrices:
-                torch.matmul(mat.view(x), orthogonalize(mat.q(self.q[j]), cfg.epsilon), out=mat.p(send))
+                torch.matmul(mat.view(x), orthogonalize(mat.q(self.q[j]), self.config.epsilon), out=mat.p(send))
             lay.gather_plain(x, send[lay.p_numel:])
             first.append(send)
-        got = self.graph.neighbor_alltoallv(first, [lay.p_numel + lay.plain_numel] * len(nbrs), step=round_index)
+        return first
+
+    def _begin_exchange(self):
+        """With overlap (order cta, flat): post the round's first exchange of x(t), before the forward pass."""
+        if not self.config.overlap or self.node_gossip is not None:
+            return None
+        round_index = self._round_at(self.step_count)  # every step is a round (period 1)
+        nbrs = self.graph.topology(round_index).in_neighbors(self.vertex)
+        if not nbrs:
+            return None
+        first = self._first_messages(self.flat.data, nbrs)
+        size = self.layout.p_numel + self.layout.plain_numel
+        return first, self.graph.ineighbor_alltoallv(first, [size] * len(nbrs), step=round_index)
+
+    def _low_rank_round(self, x: torch.Tensor, round_index: int) -> None:
+        """One round of the module docstring on ``x`` (this rank's model, or its node's average of its group)
+        over ``self.graph``, in place; its first exchange is the one :meth:`begin_step` posted, if any."""
+        cfg, lay, rank = self.config, self.layout, self.vertex
+        topo = self.graph.topology(round_index)
+        nbrs, weights = topo.in_neighbors(rank), topo.neighbor_weights(rank)
+        pending = self._take_pending()
+        if not nbrs:
+            return
+        if pending is None:
+            first = self._first_messages(x, nbrs)
+            got = self.graph.neighbor_alltoallv(first, [lay.p_numel + lay.plain_numel] * len(nbrs), step=round_index)
+        else:
+            first, handle = pending
+            got = handle.wait()
         plain = lay.gather_plain(x, x.new_empty(lay.plain_numel))
         mixed = torch.zeros_like(plain)                                  # sum_j W_ij (x_j - x_i), plain slices
         p_hats, second = [], []
