@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..shared.buckets import GradBuckets
-from .layout import Matrix, orthogonalize
+from .layout import Matrix
 
 __all__ = ["BucketedPowerSGD"]
 
@@ -94,8 +94,7 @@ class BucketedPowerSGD:
             self._second_half(k - 1, self.buckets.handles[k - 1])
         if algo.error is not None:
             grad[lo:hi].add_(algo.error[lo:hi])  # M_i = g_i + e_i
-        for mat in part.matrices:
-            torch.matmul(mat.view(grad), orthogonalize(mat.q(algo.q), cfg.epsilon), out=mat.p(self.p))
+        algo.project(part.matrices, grad, self.p)
         at = part.u.start
         for offset, numel in part.plain:
             self.u[at:at + numel].copy_(grad[offset:offset + numel])
@@ -113,13 +112,7 @@ class BucketedPowerSGD:
             self._q_handles.append(None)
             return
         p_handle.wait()
-        grad = algo.flat.grad
-        for mat in part.matrices:
-            p_hat = orthogonalize(mat.p(self.p), algo.config.epsilon)
-            m = mat.view(grad)
-            q = torch.matmul(m.t(), p_hat, out=mat.q(algo.q))                    # Q_i = M_i^T P̂
-            if algo.error is not None:
-                torch.addmm(m, p_hat, q.t(), alpha=-1, out=mat.view(algo.error))  # e_i = M_i - P̂ Q_i^T
+        algo.back_project(part.matrices, algo.flat.grad, self.p)
         self._q_handles.append(algo.comm.iallreduce(algo.q[part.q]))
 
     def finish(self, grad: torch.Tensor) -> dict | None:

@@ -133,21 +133,29 @@ class PowerSGD(LaunchedTraffic, Algorithm):
         if not cfg.warm_start and self.step_count > cfg.warmup_steps:
             lay.draw_q(self.q, self.generator)
         p = self.p_and_plain[:lay.p_numel]
-        for mat in lay.matrices:
-            torch.matmul(mat.view(grad), orthogonalize(mat.q(self.q), cfg.epsilon), out=mat.p(p))
+        self.project(lay.matrices, grad, p)
         plain = lay.gather_plain(grad, self.p_and_plain[lay.p_numel:])
         self.exchange.allreduce(self.p_and_plain)
         lay.scatter_plain(plain.div_(n), grad)
-        for mat in lay.matrices:
-            p_hat = orthogonalize(mat.p(p), cfg.epsilon)
-            m = mat.view(grad)
-            q = torch.matmul(m.t(), p_hat, out=mat.q(self.q))            # Q_i = M_i^T P̂
-            if self.error is not None:
-                torch.addmm(m, p_hat, q.t(), alpha=-1, out=mat.view(self.error))   # e_i = M_i - P̂ Q_i^T
+        self.back_project(lay.matrices, grad, p)
         self.exchange.allreduce(self.q)
         self.q.div_(n)
         for mat in lay.matrices:
             torch.matmul(mat.p(p), mat.q(self.q).t(), out=mat.view(grad))  # Delta = P̂ Q^T
+
+    def project(self, matrices, grad: torch.Tensor, p: torch.Tensor) -> None:
+        """P_i = M_i orthogonalize(Q) for each of ``matrices`` (views of ``grad``), into the P buffer ``p``."""
+        for mat in matrices:
+            torch.matmul(mat.view(grad), orthogonalize(mat.q(self.q), self.config.epsilon), out=mat.p(p))
+
+    def back_project(self, matrices, grad: torch.Tensor, p: torch.Tensor) -> None:
+        """With P summed in ``p``: P̂ = orthogonalize(P), Q_i = M_i^T P̂ into Q and e_i = M_i - P̂ Q_i^T."""
+        for mat in matrices:
+            p_hat = orthogonalize(mat.p(p), self.config.epsilon)
+            m = mat.view(grad)
+            q = torch.matmul(m.t(), p_hat, out=mat.q(self.q))            # Q_i = M_i^T P̂
+            if self.error is not None:
+                torch.addmm(m, p_hat, q.t(), alpha=-1, out=mat.view(self.error))   # e_i = M_i - P̂ Q_i^T
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step) and the layout: compressed matrices and buffer sizes."""
