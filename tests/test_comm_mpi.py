@@ -174,6 +174,35 @@ def test_centralized_collectives(comm, stage):
     run_all(comm, body)
 
 
+@pytest.mark.parametrize("stage", ["auto", "always"])
+def test_ialltoallv_unequal_parts(comm, stage):
+    """Rank a sends a + 2 b bytes of value 10 a + b to rank b, from overlapping parts of one send buffer, and
+    nothing to the ranks below it; each receives packed in rank order; the Ledger books the non-empty parts."""
+    def body():
+        n, r = comm.Get_size(), comm.Get_rank()
+        c = Communicator(comm, topo.ring(n), stage=stage)
+        longest = r + 2 * (n - 1)
+        send = torch.zeros(longest, dtype=torch.uint8)  # the part for b: bytes [0, r + 2 b)
+        counts = [r + 2 * b if b >= r else 0 for b in range(n)]
+        for b in range(r, n):  # the part for b starts at byte 0 and has its value only in its last two bytes
+            send[r + 2 * b - 2:r + 2 * b] = 10 * r + b
+        recv_counts = [a + 2 * r if r >= a else 0 for a in range(n)]
+        out = torch.zeros(sum(recv_counts), dtype=torch.uint8)
+        got = c.ialltoallv(send, counts, [0] * n, out, recv_counts).wait()
+        assert got is out
+        at = 0
+        for a, count in enumerate(recv_counts):
+            if count:
+                assert got[at + count - 2:at + count].tolist() == [10 * a + r] * 2, (a, got)
+            at += count
+        assert c.ledger.bytes_contributed("alltoallv") == longest
+        assert c.ledger.bytes_sent("alltoallv") == sum(counts) - counts[r]
+        with pytest.raises(ValueError, match=f"need {n} send counts"):
+            c.ialltoallv(send, counts[:-1], [0] * (n - 1), out, recv_counts)
+
+    run_all(comm, body)
+
+
 def test_alltoall_rejects_uneven_split(comm):
     def body():
         n = comm.Get_size()

@@ -107,11 +107,14 @@ def test_collective_formulas(n, m):
     assert MODEL.neighbor(2 * m, m) == pytest.approx(ALPHA + 2 * m / BETA)  # the busier direction counts
     assert MODEL.reduce_scatter(m, n) == pytest.approx((n - 1) * ALPHA + (n - 1) / n * m / BETA)
     assert MODEL.allgatherv(m, n) == MODEL.allgather(m, n)  # m: the largest part
+    assert MODEL.alltoallv(m, 3 * m, n - 1) == pytest.approx((n - 1) * ALPHA + 3 * m / BETA)
+    # every part equal: the same as the pairwise-exchange alltoall of the whole send buffer
+    assert MODEL.alltoallv((n - 1) * m, (n - 1) * m, n - 1) == pytest.approx(MODEL.alltoall(n * m, n))
 
 
 def test_one_rank_and_empty_messages_cost_nothing():
     for cost in (MODEL.allreduce(10**6, 1), MODEL.allgather(10**6, 1), MODEL.alltoall(10**6, 1),
-                 MODEL.bcast(10**6, 1), MODEL.barrier(1), MODEL.neighbor(0, 0)):
+                 MODEL.bcast(10**6, 1), MODEL.barrier(1), MODEL.neighbor(0, 0), MODEL.alltoallv(0, 0, 0)):
         assert cost == 0.0
 
 

@@ -50,6 +50,8 @@ def test_each_collective_costs_its_formula(comm):
             "bcast": (lambda: c.bcast(x.clone()), model.bcast(40_000, n)),
             "barrier": (c.barrier, model.barrier(n)),
             "iallreduce": (lambda: c.iallreduce(x.clone()).wait(), model.allreduce(40_000, n)),
+            "ialltoallv": (lambda: c.ialltoallv(x, [10_000] * n, [0] * n, torch.empty(10_000 * n), [10_000] * n).wait(),
+                           model.alltoallv(40_000 * (n - 1), 40_000 * (n - 1), n - 1)),
         }
         for name, (call, expected) in cases.items():
             slept0 = c.clock.slept_s

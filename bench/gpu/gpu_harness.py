@@ -78,6 +78,8 @@ ALGORITHMS = {
     "onebit_lamb": ({"lr": 1e-3, "freeze_step": 1}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
     "apmsqueeze_hier": ({"lr": 1e-3, "warmup_steps": 5, "hierarchical": True}, False),
+    "apmsqueeze_overlap": ({"lr": 1e-3, "warmup_steps": 5, "overlap": True, "first_bucket_numel": 4096,
+                            "bucket_numel": 65536}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
     "diloco_hier": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}, "hierarchical": True}, False),
     "sparseloco": ({"period": 2, "inner_optimizer": "adamw", "lr": 1e-3}, False),  # the inner AdamW path

@@ -455,6 +455,40 @@ class Communicator:
         return self._collective("alltoall", send, out, blocking, cost, _byte_specs, self.comm.Alltoall,
                                 self.comm.Ialltoall)
 
+    def ialltoallv(self, send: torch.Tensor, send_counts: Sequence[int], send_displs: Sequence[int],
+                   out: torch.Tensor, recv_counts: Sequence[int]) -> Handle:
+        """Non-blocking all-to-all of unequal parts of 1-D tensors: ``send_counts[k]`` elements from offset
+        ``send_displs[k]`` of ``send`` go to rank k (parts may overlap: one part sent to every rank), and
+        ``recv_counts[j]`` elements from rank j land in ``out``, packed in rank order. ``wait()`` returns ``out``.
+
+        The Ledger books ``send``'s bytes as contributed once and each non-empty part to or from another rank;
+        the network model prices one message per peer with traffic (:meth:`~mpicomm.net.CostModel.alltoallv`).
+        """
+        n = self.size
+        if not (len(send_counts) == len(send_displs) == len(recv_counts) == n):
+            raise ValueError(f"ialltoallv: need {n} send counts, send displacements and receive counts, got "
+                             f"{len(send_counts)}, {len(send_displs)} and {len(recv_counts)}")
+        if out.numel() != sum(recv_counts) or send.dim() != 1 or out.dim() != 1 or out.dtype != send.dtype:
+            raise ValueError(f"ialltoallv: send and out must be 1-D of one dtype and out must hold the "
+                             f"{sum(recv_counts)} elements received, got {tuple(send.shape)} {send.dtype} and "
+                             f"{tuple(out.shape)} {out.dtype}")
+        size = send.element_size()
+        sends = {p: int(c) * size for p, c in enumerate(send_counts) if c and p != self.rank}
+        recvs = {p: int(c) * size for p, c in enumerate(recv_counts) if c and p != self.rank}
+        self._book("alltoallv", send.numel() * size, sends, recvs)
+        out_bytes, in_bytes, peers = sum(sends.values()), sum(recvs.values()), max(len(sends), len(recvs))
+
+        def cost(model: CostModel) -> float:
+            return model.alltoallv(out_bytes, in_bytes, peers)
+
+        def specs(sbuf, rbuf):
+            return ([as_bytes(sbuf)[0], [int(c) * size for c in send_counts], [int(d) * size for d in send_displs],
+                     MPI.BYTE],
+                    [as_bytes(rbuf)[0], [int(c) * size for c in recv_counts],
+                     [d * size for d in _displacements(recv_counts)], MPI.BYTE])
+
+        return self._collective("alltoallv", send, out, False, cost, specs, None, self.comm.Ialltoallv)
+
     def reduce_scatter(self, send: torch.Tensor, counts: Sequence[int], out: torch.Tensor | None = None):
         """Sum ``send`` (1-D) over all ranks and keep part ``rank`` of it: ``counts[r]`` elements for rank r, in
         rank order (``sum(counts) == send.numel()``); returns the ``(counts[rank],)`` part (in ``out`` if given).

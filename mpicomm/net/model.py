@@ -13,12 +13,14 @@ neighbour collectives  all neighbours at once over one link    ``alpha + max(out
 allreduce              ring (reduce-scatter + allgather)        ``2(n-1) alpha + 2(n-1)/n * m / beta``
 allgather              ring (``m`` = one rank's contribution)   ``(n-1) (alpha + m / beta)``
 alltoall               pairwise exchange (``m`` = send buffer)  ``(n-1) alpha + (n-1)/n * m / beta``
+alltoallv              one message per peer with traffic        ``k alpha + max(out, in) / beta``
 bcast                  binomial tree                           ``ceil(log2 n) (alpha + m / beta)``
 barrier                dissemination                           ``ceil(log2 n) alpha``
 =====================  ======================================  =====================================
 
-``out``/``in`` are the bytes this rank sends to / receives from all its neighbours together (they
-share its link). With one rank nothing crosses the network and every cost is zero.
+``out``/``in`` are the bytes this rank sends to / receives from all its neighbours (alltoallv: all its
+peers, ``k`` of them at most either way) together (they share its link). With one rank nothing crosses the
+network and every cost is zero.
 
 The two-level collectives add a reduce-scatter (ring, ``(n-1) alpha + (n-1)/n * m / beta`` for an
 ``m``-byte input) and an allgather of unequal parts (ring, each of its ``n-1`` rounds as long as the
@@ -89,6 +91,13 @@ class CostModel:
         if n <= 1:
             return 0.0
         return (n - 1) * self.alpha + (n - 1) / n * nbytes / self.beta
+
+    def alltoallv(self, out_bytes: int, in_bytes: int, peers: int) -> float:
+        """An all-to-all of unequal parts that sends ``out_bytes`` to and receives ``in_bytes`` from other ranks,
+        one message each to or from at most ``peers`` of them."""
+        if peers == 0:
+            return 0.0
+        return peers * self.alpha + max(out_bytes, in_bytes) / self.beta
 
     def bcast(self, nbytes: int, n: int) -> float:
         """Binomial-tree broadcast of ``nbytes``."""

@@ -89,9 +89,10 @@ class AllReduceAdam(Algorithm):
     def _step(self, grad: torch.Tensor) -> None:
         self._adam_step(grad)
 
-    def _adam_step(self, grad: torch.Tensor) -> None:
-        """Average ``grad`` (the flat gradient, in place) over all ranks, then one AdamW step."""
-        mean_over_ranks(grad, self.comm, self.two_level)
+    def _adam_step(self, grad: torch.Tensor, averaged: bool = False) -> None:
+        """Average ``grad`` (the flat gradient, in place) over all ranks unless ``averaged``, then one AdamW step."""
+        if not averaged:
+            mean_over_ranks(grad, self.comm, self.two_level)
         self._clip(grad)
         if not self.user_optimizer:
             for group in self.optimizer.param_groups:

@@ -15,6 +15,11 @@ step T_w + 1 on, v is frozen and, on rank i::
 AllReduce-Adam) and the 1-bit average between nodes of each node's exact mean, per local rank's shard
 (:class:`~mpicomm.algorithms.onebit.average.NodeOneBitAverage`): the method over N node-workers.
 
+``overlap=True`` (paper variant): both phases of the 1-bit average run chunk by chunk during backward, and the
+warm-up's allreduce bucket by bucket (:mod:`~mpicomm.algorithms.onebit.pipelined`), bit for bit the blocking
+step. Not with ``variant="deepspeed"``, whose one worker scale spans the whole vector (known after backward),
+nor with ``hierarchical``.
+
 ``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
 ``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
 ``docs/algorithms/apmsqueeze.md``.
@@ -28,12 +33,14 @@ import torch
 
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
+from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
+from .pipelined import PipelinedOneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
-_OPS = ("allreduce", "alltoall", "allgather")
+_OPS = ("allreduce", "alltoall", "allgather", "alltoallv")
 _DEFAULT_FRACTION = 0.2
 VARIANTS = ("paper", "deepspeed")
 
@@ -44,14 +51,15 @@ def _check_count(name: str, value) -> None:
 
 
 @dataclass(frozen=True)
-class APMSqueezeConfig(AllReduceAdamConfig):
-    """Adam options plus the warm-up, which must leave at least one compression step, and hierarchical.
+class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig):
+    """Adam options plus the warm-up, which must leave at least one compression step, hierarchical and overlap.
 
     warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
     a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
     (the apps fill it in).
     variant: "paper" (default) or "deepspeed" (one worker scale, no bias correction; see the module
-    docstring).
+    docstring). overlap: the exchange chunk by chunk during backward (paper variant; bucket sizes: see
+    OverlapConfig, boundaries moved to the 1-bit average's chunks).
     """
 
     warmup_steps: int | None = None
@@ -63,6 +71,9 @@ class APMSqueezeConfig(AllReduceAdamConfig):
         super().__post_init__()
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.overlap and self.variant == "deepspeed":
+            raise ValueError("apmsqueeze cannot overlap with variant='deepspeed': its one worker scale spans the "
+                             "whole momentum, known only after backward; use variant='paper' or overlap=False")
         _check_count("warmup_steps", self.warmup_steps)
         _check_count("total_steps", self.total_steps)
         if self.warmup_fraction is not None:
@@ -89,7 +100,7 @@ class APMSqueezeConfig(AllReduceAdamConfig):
         return max(1, round(fraction * self.total_steps))
 
 
-class APMSqueeze(AllReduceAdam):
+class APMSqueeze(LaunchedTraffic, AllReduceAdam):
     """AllReduce-Adam warm-up, then frozen-v momentum SGD with 1-bit two-sided error-compensated exchange."""
 
     name = "apmsqueeze"
@@ -109,6 +120,9 @@ class APMSqueeze(AllReduceAdam):
                                          one_worker_scale=self.deepspeed)
         self._frozen = False
         self._last_ops = dict.fromkeys(_OPS, 0)
+        cfg = self.config
+        self.pipelined = (PipelinedOneBitAverage(self, self.onebit, self._fill, cfg.bucket_numel,
+                                                 cfg.first_bucket_numel) if cfg.overlap else None)
 
     worker_error = property(lambda self: self.onebit.worker_error, doc="The worker error e_i (padded).")
     server_error = property(lambda self: self.onebit.server_error, doc="The server error e'_k of my chunk.")
@@ -121,18 +135,37 @@ class APMSqueeze(AllReduceAdam):
         """``"warmup"`` or ``"compression"``: the phase the next :meth:`step` runs in."""
         return "warmup" if self.step_count < self.warmup else "compression"
 
-    def _step(self, grad: torch.Tensor) -> None:
-        before = {op: self.comm.ledger.bytes_sent(op) for op in _OPS}
-        if self.step_count < self.warmup:
-            self._adam_step(grad)
-        else:
-            self._compressed_step(grad)
-        self._last_ops = {op: self.comm.ledger.bytes_sent(op) - before[op] for op in _OPS}
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """With overlap each bucket was divided by the micro-batch count at its launch: nothing here."""
+        if self.pipelined is None:
+            super()._prepare(grad)
 
-    def _adam_step(self, grad: torch.Tensor) -> None:
+    def _fill(self, lo: int, hi: int) -> None:
+        """u_i[lo:hi] = b1 m + (1 - b1) g_i into the 1-bit average's input (the pipelined exchange's fill)."""
+        m = self.adam_state()["exp_avg"]
+        torch.lerp(m[lo:hi], self.flat.grad[lo:hi], 1 - self.config.beta1, out=self.onebit.input[lo:hi])
+
+    def _step(self, grad: torch.Tensor) -> None:
+        before = self._ops_sent()
+        self._first_launch = None
+        if self.pipelined is not None:
+            self._first_launch = self.pipelined.finish(grad)
+            before.update(self.pipelined.sent_before)
+        if self.step_count < self.warmup:
+            self._adam_step(grad, averaged=self.pipelined is not None)
+        else:
+            self._compressed_step(grad, averaged=self.pipelined is not None)
+        now = self._ops_sent()
+        self._last_ops = {op: now[op] - before[op] for op in _OPS}
+
+    def _ops_sent(self) -> dict[str, int]:
+        """Bytes sent so far by each collective this method uses."""
+        return {op: self.comm.ledger.bytes_sent(op) for op in _OPS}
+
+    def _adam_step(self, grad: torch.Tensor, averaged: bool = False) -> None:
         """The warm-up step: AdamW (paper variant), or Adam without bias correction (deepspeed variant)."""
         if not self.deepspeed:
-            super()._adam_step(grad)
+            super()._adam_step(grad, averaged)
             return
         cfg, x = self.config, self.flat.data
         mean_over_ranks(grad, self.comm, self.two_level)
@@ -165,14 +198,18 @@ class APMSqueeze(AllReduceAdam):
         denom.add_(self.config.eps)
         self._frozen = True
 
-    def _compressed_step(self, grad: torch.Tensor) -> None:
-        """One compression-phase step: m_i into the exchange, the 1-bit average becomes m, update x."""
+    def _compressed_step(self, grad: torch.Tensor, averaged: bool = False) -> None:
+        """One compression-phase step: m_i into the exchange, the 1-bit average becomes m, update x
+        (``averaged``: the pipelined exchange has already left the average in the 1-bit input)."""
         if not self._frozen:
             self._freeze()
         cfg = self.config
         m = self.adam_state()["exp_avg"]
-        torch.lerp(m, grad, 1 - cfg.beta1, out=self.onebit.input)   # m_i
-        m.copy_(self.onebit.average())
+        if averaged:
+            m.copy_(self.onebit.input)
+        else:
+            torch.lerp(m, grad, 1 - cfg.beta1, out=self.onebit.input)   # m_i
+            m.copy_(self.onebit.average())
         x = self.flat.data
         if cfg.weight_decay:
             x.mul_(1 - self.lr * cfg.weight_decay)

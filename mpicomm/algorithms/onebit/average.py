@@ -66,10 +66,10 @@ class OneBitAverage:
         self.server_error = torch.zeros(self.chunk, **floats)
         self._u = torch.zeros(self.padded, **floats)
         self._server = torch.zeros(self.chunk, **floats)
-        self._send = torch.zeros(n, payload, **octets)
-        self._recv = torch.zeros(n, payload, **octets)
-        self._server_payload = torch.zeros(payload, **octets)
-        self._gathered = torch.zeros(n, payload, **octets)
+        self.send = torch.zeros(n, payload, **octets)            # row k: chunk k of C(u_i), for server k
+        self.received = torch.zeros(n, payload, **octets)        # row j: worker j's payload of my chunk
+        self.server_payload = torch.zeros(payload, **octets)     # C(s_k) of the chunk I serve
+        self.gathered = torch.zeros(n, payload, **octets)        # row k: server k's C(s_k)
         self._whole = torch.zeros(self.codec.payload_bytes(self.padded) if one_worker_scale else 0, **octets)
 
     @property
@@ -77,45 +77,64 @@ class OneBitAverage:
         """The d-element view to write u_i into before :meth:`average` (overwritten by the result)."""
         return self._u[:self.numel]
 
-    def _encode_worker(self, u: torch.Tensor, err: torch.Tensor) -> None:
-        """Chunk k of C(u) into ``_send[k]`` and C(u) into ``err`` (one scale per chunk, or one in all)."""
-        codec, L, n = self.codec, self.chunk, self.comm.size
-        if not self.one_worker_scale:
-            for k in range(n):
-                self._send[k].copy_(codec.encode(u[k * L:(k + 1) * L]))
-                codec.decode(self._send[k], L, out=err[k * L:(k + 1) * L])
-            return
-        whole = self._whole
+    def encode_chunks(self, first: int, last: int) -> None:
+        """Worker side for chunks ``first`` .. ``last - 1``: u <- u + e, chunk k of C(u) into row k of
+        :attr:`send`, e <- u - C(u) (padding zeroed); elementwise, so chunks may be encoded in any groups.
+        One worker scale needs the whole vector: then only (0, n)."""
+        codec, L, d = self.codec, self.chunk, self.numel
+        lo, hi = first * L, last * L
+        u, err = self._u[lo:hi], self.worker_error[lo:hi]
+        self._u[max(d, lo):hi].zero_()                           # padding (u held the last result)
+        u.add_(err)                                              # u_i + e_i
+        if self.one_worker_scale:
+            if (first, last) != (0, self.comm.size):
+                raise ValueError("one worker scale spans the whole vector: encode chunks 0 .. n - 1 together")
+            self._encode_whole(u, err)
+        else:
+            for k in range(first, last):
+                self.send[k].copy_(codec.encode(self._u[k * L:(k + 1) * L]))
+                codec.decode(self.send[k], L, out=self.worker_error[k * L:(k + 1) * L])
+        torch.sub(u, err, out=err)                               # e_i = u_i - C(u_i)
+        self.worker_error[max(d, lo):hi].zero_()
+
+    def _encode_whole(self, u: torch.Tensor, err: torch.Tensor) -> None:
+        """C(u) with one scale into ``err`` and every row of :attr:`send` (the scale header, chunk k's signs)."""
+        codec, L, n, whole = self.codec, self.chunk, self.comm.size, self._whole
         whole.copy_(codec.encode(u))
         codec.decode(whole, self.padded, out=err)
-        self._send[:, :4].copy_(whole[:4].expand(n, 4))
-        self._send[:, 4:].copy_(whole[4:].view(n, L // 8))   # chunk k's signs: bytes [k L/8, (k+1) L/8)
+        self.send[:, :4].copy_(whole[:4].expand(n, 4))
+        self.send[:, 4:].copy_(whole[4:].view(n, L // 8))   # chunk k's signs: bytes [k L/8, (k+1) L/8)
 
-    def average(self) -> torch.Tensor:
-        """Collective: the compressed average of every rank's :attr:`input`; returns it as a view of :attr:`input`."""
-        codec, n, d, L, rank = self.codec, self.comm.size, self.numel, self.chunk, self.comm.rank
-        u, err = self._u, self.worker_error
-        u[d:].zero_()                                            # padding (u held the last result)
-        u.add_(err)                                              # u_i + e_i
-        self._encode_worker(u, err)
-        torch.sub(u, err, out=err)                               # e_i = u_i - C(u_i)
-        err[d:].zero_()
-
-        received = self.comm.alltoall(self._send, out=self._recv)
+    def serve(self, received: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """Server side of my chunk from the n workers' payloads ``received`` (rows in rank order):
+        s = mean + e', C(s) into :attr:`server_payload` (returned), e' <- s - C(s). ``scratch``: L floats."""
+        codec, n, L = self.codec, self.comm.size, self.chunk
         server = self._server.zero_()
-        for j in range(n):  # u_i + e_i is encoded and e_i updated: u's first chunk is free scratch until the allgather
-            server.add_(codec.decode(received[j], L, out=u[:L]))
+        for j in range(n):
+            server.add_(codec.decode(received[j], L, out=scratch))
         server.div_(n)
         server[self._real:].zero_()
         server.add_(self.server_error)                          # s_k = average + e'_k
-        self._server_payload.copy_(codec.encode(server))
-
-        gathered = self.comm.allgather(self._server_payload, out=self._gathered)
-        for k in range(n):
-            codec.decode(gathered[k], L, out=u[k * L:(k + 1) * L])
-        torch.sub(server, u[rank * L:(rank + 1) * L], out=self.server_error)
+        self.server_payload.copy_(codec.encode(server))
+        torch.sub(server, codec.decode(self.server_payload, L, out=scratch), out=self.server_error)
         self.server_error[self._real:].zero_()                  # e'_k = s_k - C(s_k)
-        return u[:d]
+        return self.server_payload
+
+    def decode_chunks(self, gathered: torch.Tensor, first: int, last: int) -> None:
+        """Chunks ``first`` .. ``last - 1`` of the result from the servers' payloads (row k: chunk k's) into u."""
+        L = self.chunk
+        for k in range(first, last):
+            self.codec.decode(gathered[k], L, out=self._u[k * L:(k + 1) * L])
+
+    def average(self) -> torch.Tensor:
+        """Collective: the compressed average of every rank's :attr:`input`; returns it as a view of :attr:`input`."""
+        n, L = self.comm.size, self.chunk
+        self.encode_chunks(0, n)
+        received = self.comm.alltoall(self.send, out=self.received)
+        self.serve(received, scratch=self._u[:L])  # u_i + e_i is encoded: u's first chunk is free until the allgather
+        gathered = self.comm.allgather(self.server_payload, out=self.gathered)
+        self.decode_chunks(gathered, 0, n)
+        return self._u[:self.numel]
 
     def state_dict(self) -> dict:
         """Copies of both error buffers."""
