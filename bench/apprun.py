@@ -45,18 +45,19 @@ class AppRun:
         return [(r["train_s"], r[key], r["step"]) for r in self.records if r["event"] == "eval"]
 
     def per_step(self, first: int = 0, last: int | None = None) -> dict[str, float]:
-        """Mean seconds per step of compute, comm, wait and the whole step over steps ``first+1 .. last``.
+        """Mean seconds per step of compute, comm, wait, the whole step and the modelled transfer that compute
+        hid (``hidden_s``, zero in records without it) over steps ``first+1 .. last``.
 
         Each train record covers the steps since the previous one, so ``first``/``last`` should be
         steps with a record (all of them with ``--log-every 1``).
         """
-        out = {k: 0.0 for k in ("compute_s", "comm_s", "wait_s", "step_s")}
+        out = {k: 0.0 for k in ("compute_s", "comm_s", "wait_s", "step_s", "hidden_s")}
         previous, counted = 0, 0
         for r in self.records:
             if r["event"] == "train":
                 if previous >= first and (last is None or r["step"] <= last):
                     for k in out:
-                        out[k] += r[f"{k}_per_step"] * (r["step"] - previous)
+                        out[k] += r.get(f"{k}_per_step", 0.0) * (r["step"] - previous)
                     counted += r["step"] - previous
                 previous = r["step"]
         return {k: v / max(counted, 1) for k, v in out.items()}

@@ -115,8 +115,18 @@ def test_bad_arguments_fail_with_one_clear_message_printed_once(args, message, t
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+def _step_costs(train: list[dict], model) -> list[float]:
+    """The alpha-beta cost of each logged step's neighbour exchange, from the bytes it booked."""
+    costs, previous_sent, previous_received = [], 0, 0
+    for r in train:  # one step per record (--log-every 1)
+        costs.append(model.neighbor(r["bytes_sent"] - previous_sent, r["bytes_received"] - previous_received))
+        previous_sent, previous_received = r["bytes_sent"], r["bytes_received"]
+    return costs
+
+
 def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path, dpsgd_losses):
-    """``--net``: same losses as without it; each step's comm time is the alpha-beta cost of its bytes."""
+    """``--net``: same losses as without it; each step's comm time is the alpha-beta cost of its bytes, and with
+    ``--overlap`` the part of that cost that compute hid is booked as hidden, the rest as comm."""
     from mpicomm.net import CostModel, parse_net
 
     ranks, app, args = CASES["resnet-dpsgd-2"]
@@ -127,14 +137,23 @@ def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path,
     train = [r for r in records if r["event"] == "train"]
     assert [r["loss"] for r in train] == dpsgd_losses  # bit for bit: the model only sleeps
     model = CostModel(parse_net("80mbit,1ms"))
-    previous_sent = previous_received = 0
-    for r in train:  # one step per record (--log-every 1)
-        cost = model.neighbor(r["bytes_sent"] - previous_sent, r["bytes_received"] - previous_received)
-        previous_sent, previous_received = r["bytes_sent"], r["bytes_received"]
+    for r, cost in zip(train, _step_costs(train, model)):
         assert cost > 0.1  # ResNet-20 is ~1.1 MB of float32: ~0.11 s a step at 10 MB/s
         assert cost * 0.999 <= r["comm_s_per_step"] <= cost * 1.001, (r["comm_s_per_step"], cost)
+        assert r["comm_s_per_step"] + r["hidden_s_per_step"] == pytest.approx(cost, rel=1e-9)
         parts = r["compute_s_per_step"] + r["comm_s_per_step"] + r["wait_s_per_step"]
         assert parts == pytest.approx(r["step_s_per_step"], rel=1e-9)
+
+    overlapped = tmp_path / "overlap"
+    proc = _launch(ranks, app, [*args, "--out-dir", str(overlapped), "--net", "80mbit,1ms", "--overlap"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hidden_run = [r for r in read_metrics(str(overlapped / "metrics.jsonl")) if r["event"] == "train"]
+    assert [r["loss"] for r in hidden_run] == dpsgd_losses
+    costs = _step_costs(hidden_run, model)
+    for r, cost in zip(hidden_run, costs):
+        assert r["comm_s_per_step"] + r["hidden_s_per_step"] == pytest.approx(cost, rel=1e-9)
+    # posted before forward: the forward and backward passes hid at least some of every transfer
+    assert sum(r["hidden_s_per_step"] for r in hidden_run) >= 0.01 * sum(costs)
     end = records[-1]
     assert end["bytes_sent"] == train[-1]["bytes_sent"]  # the final evaluation's averaging is not booked
     # train_s is rank 0's own time inside steps: at least the modelled transfers it waited out (the ring is

@@ -13,7 +13,7 @@ def _run() -> AppRun:
          "step_s_per_step": 1.0, "bytes_sent": 2500, "bytes_contributed": 1100},
         {"event": "eval", "step": 2, "train_s": 2.0, "test_accuracy": 0.5},
         {"event": "train", "step": 4, "compute_s_per_step": 0.3, "comm_s_per_step": 0.1, "wait_s_per_step": 0.1,
-         "step_s_per_step": 0.5, "bytes_sent": 2900, "bytes_contributed": 1300},
+         "step_s_per_step": 0.5, "hidden_s_per_step": 0.2, "bytes_sent": 2900, "bytes_contributed": 1300},
         {"event": "eval", "step": 4, "train_s": 3.0, "test_accuracy": 0.8},
         {"event": "end", "step": 4, "train_s": 3.0, "bytes_sent": 2900, "bytes_contributed": 1300},
     ]
@@ -22,7 +22,8 @@ def _run() -> AppRun:
 
 def test_per_step_weights_each_record_by_its_steps():
     run = _run()
-    assert run.per_step() == pytest.approx({"compute_s": 0.45, "comm_s": 0.25, "wait_s": 0.05, "step_s": 0.75})
+    assert run.per_step() == pytest.approx({"compute_s": 0.45, "comm_s": 0.25, "wait_s": 0.05, "step_s": 0.75,
+                                            "hidden_s": 0.1})  # the first record has none: zero there
     assert run.per_step(2, None)["step_s"] == pytest.approx(0.5)
     assert run.per_step(0, 2)["comm_s"] == pytest.approx(0.4)
 

@@ -19,7 +19,8 @@ before or during compute is credited with the compute it overlapped). Cases, int
   completed in ``step()``.
 
 ``--algorithms`` takes ``allreduce_sgd``, ``qsgd`` (4 bits, bucket_size 512), ``signsgd``, ``powersgd`` (rank 2,
-2 warm-up steps: both allreduces per bucket), and the gossip
+2 warm-up steps: both allreduces per bucket), ``apmsqueeze`` (lr 0.001, 2 warm-up steps, ``overlap, 32K
+buckets``: both phases of the 1-bit average per chunk), and the gossip
 methods ``dpsgd``, ``moniqua`` (default options), ``choco`` (its default codec, ``--order cta``, the
 order that overlaps), ``pdsgdm`` and ``cpdsgdm`` (``--order cta --period 2``: a round every second step,
 posted before that step's forward pass). Reported: the median over rounds of the mean seconds per step (steps
@@ -60,11 +61,15 @@ CASES = [
     ("overlap, DDP buckets", ["--overlap"]),
 ]
 GOSSIP_CASES = [("no overlap", ["--no-overlap"]), ("overlap", ["--overlap"])]
+CHUNK_CASE = ("overlap, 32K buckets", ["--overlap", "--bucket-numel", str(2**15), "--first-bucket-numel", str(2**15)])
+"""APMSqueeze's buckets move to whole chunks of its 1-bit average (n of them): DDP's 1 MiB first bucket would
+hold all of ResNet-20, so smaller buckets give one bucket per chunk."""
 ALGORITHMS = {  # the algorithm's options, and its cases
     "allreduce_sgd": (["--momentum", "0.9"], CASES),
     "qsgd": (["--momentum", "0.9", "--bits", "4"], [CASES[0], CASES[2]]),
     "signsgd": (["--lr", "0.001", "--momentum", "0.9"], [CASES[0], CASES[2]]),
     "powersgd": (["--momentum", "0.9", "--rank", "2", "--warmup-steps", "2"], [CASES[0], CASES[2]]),
+    "apmsqueeze": (["--lr", "0.001", "--warmup-steps", "2"], [CASES[0], CHUNK_CASE]),
     "dpsgd": ([], GOSSIP_CASES),
     "moniqua": ([], GOSSIP_CASES),
     "choco": (["--order", "cta"], GOSSIP_CASES),

@@ -360,7 +360,7 @@ class _Run:
     def train(self) -> dict:
         """The loop itself; returns the end summary."""
         algo, cfg, task, total = self.algo, self.cfg, self.task, self.total
-        window = {"loss": 0.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "step_s": 0.0, "n": 0}
+        window = {"loss": 0.0, "compute_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "step_s": 0.0, "hidden_s": 0.0, "n": 0}
         clock = algo.comm.clock
         counters: dict[str, float] = {}
         stopped_by = 0
@@ -375,7 +375,8 @@ class _Run:
             for index, batch in self._batches(epoch, start):
                 if not algo.pending_micro_batches:  # the first micro-batch of a step
                     algo.set_lr(self.schedule(self.step))
-                    blocked, slept, elapsed, step_loss = clock.blocked_s, clock.slept_s, 0.0, None
+                    blocked, slept, modelled = clock.blocked_s, clock.slept_s, clock.modelled_s
+                    elapsed, step_loss = 0.0, None
                     self.guard.step = self.step + 1
                 t0 = time.perf_counter()
                 if self.begins_steps and not algo.pending_micro_batches:
@@ -397,7 +398,8 @@ class _Run:
                 self.step += 1
                 step = self.step
                 self.train_s += elapsed
-                account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept, clock.model is not None)
+                account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept,
+                        None if clock.model is None else clock.modelled_s - modelled)
                 window["loss"] += step_loss / cfg.accumulate if cfg.accumulate > 1 else step_loss
                 finished_epoch = index + 1 == task.steps_per_epoch
                 position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)

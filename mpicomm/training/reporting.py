@@ -2,7 +2,9 @@
 
 Time per step is split three ways from the Communicator's clock: ``compute`` (outside communication
 calls), ``comm`` (modelled transfer time the rank waited for; without ``--net``, all time blocked in
-communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies).
+communication) and ``wait`` (blocked beyond the modelled transfer: slower peers, MPI's own copies). Under
+``--net`` a fourth figure, ``hidden``, is the modelled transfer time of the step that compute hid (the step's
+modelled cost less ``comm``; zero without overlap, and without a modelled network).
 Monitoring collectives (the loss averages of a log line) go through the Communicator's control plane and
 are not booked in the Ledger; evaluation runs unmetered (see :mod:`mpicomm.training.loop`).
 """
@@ -95,20 +97,22 @@ class Progress:
             self.bar.close()
 
 
-def account(window: dict, elapsed: float, blocked: float, slept: float, modelled: bool) -> None:
-    """Split one step's ``elapsed`` seconds into compute, comm and wait (see the module docstring)."""
-    comm = slept if modelled else blocked
+def account(window: dict, elapsed: float, blocked: float, slept: float, cost: float | None) -> None:
+    """Split one step's ``elapsed`` seconds into compute, comm and wait, and book the ``hidden`` part of its
+    modelled transfer ``cost`` (None: no modelled network); see the module docstring."""
+    comm = blocked if cost is None else slept
     window["step_s"] += elapsed
     window["compute_s"] += elapsed - blocked
     window["comm_s"] += comm
     window["wait_s"] += blocked - comm
+    window["hidden_s"] += 0.0 if cost is None else max(0.0, cost - slept)
     window["n"] += 1
 
 
 def log_window(metrics, progress, algo, step, epoch, window, counters, wall) -> None:
     """Collective: average the window over ranks, write a metrics line, advance the bar, reset the window."""
     n = max(window["n"], 1)
-    timings = ("compute_s", "comm_s", "wait_s", "step_s")
+    timings = ("compute_s", "comm_s", "wait_s", "step_s", "hidden_s")
     local = [float(window["loss"]) / n] + [window[k] / n for k in timings]
     local += [float(counters[k]) for k in sorted(counters)]
     summed = [sum(vals) for vals in zip(*algo.comm.allgather_object(local, "the log line's allgather"))]
@@ -122,5 +126,5 @@ def log_window(metrics, progress, algo, step, epoch, window, counters, wall) -> 
         record["train_accuracy"] = record["sum_correct"] / max(record["sum_count"], 1)
     metrics.write(record)
     progress.update(window["n"], loss=f"{record['loss']:.3f}", MB_sent=f"{record['bytes_sent'] / 1e6:.1f}")
-    window.update(loss=0.0, compute_s=0.0, comm_s=0.0, wait_s=0.0, step_s=0.0, n=0)
+    window.update(loss=0.0, compute_s=0.0, comm_s=0.0, wait_s=0.0, step_s=0.0, hidden_s=0.0, n=0)
     counters.clear()
