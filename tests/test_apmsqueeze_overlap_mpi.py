@@ -6,6 +6,7 @@ import torch
 from mpicomm.algorithms import make_algorithm
 
 from .conftest import run_all
+from .overlap_common import train
 from .test_apmsqueeze_mpi import _comm
 from .test_compressed_overlap_mpi import cnn, cnn_loss
 
@@ -27,16 +28,8 @@ MODELS = {"cnn": (cnn, cnn_loss), "tiny": (tiny, tiny_loss)}
 
 
 def run(algo, steps, loss_fn, micro=1):
-    """The training loop; returns how many buckets were launched during each step's backward."""
-    launched = []
-    for t in range(steps * micro):
-        algo.zero_grad()
-        loss_fn(algo.model, algo.comm.rank, algo.step_count * micro + t % micro).backward()
-        if (t + 1) % micro == 0:
-            pipelined = algo.pipelined
-            launched.append(len(pipelined.buckets.handles) if pipelined is not None else 0)
-        algo.step()
-    return launched
+    """The training loop; buckets launched during each step's backward."""
+    return train(algo, steps, loss_fn, algo.pipelined, micro)
 
 
 def _pair(comm, model, micro=1):

@@ -6,23 +6,16 @@ import torch
 from mpicomm.algorithms import make_algorithm
 
 from .conftest import run_all
+from .overlap_common import train
 from .test_compressed_overlap_mpi import cnn, cnn_loss
 from .test_powersgd_mpi import _comm
 
 pytestmark = pytest.mark.mpi
 
 
-def run(algo, steps, micro=1, optimizer=None):
-    """The training loop; returns how many buckets were launched during each step's backward."""
-    launched = []
-    for t in range(steps * micro):
-        algo.zero_grad()
-        cnn_loss(algo.model, algo.comm.rank, algo.step_count * micro + t % micro).backward()
-        if (t + 1) % micro == 0:
-            bucketed = algo.bucketed
-            launched.append(len(bucketed.buckets.handles) if bucketed is not None else 0)
-        algo.step()
-    return launched
+def run(algo, steps, micro=1):
+    """The training loop on the CNN; buckets launched during each step's backward."""
+    return train(algo, steps, cnn_loss, algo.bucketed, micro)
 
 
 CASES = {  # warm-up 2 so that both phases and the switch run

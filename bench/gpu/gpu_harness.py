@@ -67,6 +67,7 @@ ALGORITHMS = {
     "compressed_sgd": ({"codec": "topk", "codec_options": {"ratio": 0.01}, "error_feedback": True}, False),
     "hsq": ({"d": 8}, False),
     "hsq_hier": ({"d": 8, "hierarchical": True}, False),
+    "hsq_overlap": ({"d": 8, "overlap": True, "first_bucket_numel": 4096, "bucket_numel": 65536}, False),
     "powersgd": ({"rank": 2, "warmup_steps": 1}, False),
     "powersgd_overlap": ({"rank": 2, "warmup_steps": 1, "overlap": True, "first_bucket_numel": 4096,
                           "bucket_numel": 65536}, False),

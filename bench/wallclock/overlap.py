@@ -20,7 +20,8 @@ before or during compute is credited with the compute it overlapped). Cases, int
 
 ``--algorithms`` takes ``allreduce_sgd``, ``qsgd`` (4 bits, bucket_size 512), ``signsgd``, ``powersgd`` (rank 2,
 2 warm-up steps: both allreduces per bucket), ``apmsqueeze`` (lr 0.001, 2 warm-up steps, ``overlap, 32K
-buckets``: both phases of the 1-bit average per chunk), and the gossip
+buckets``: both phases of the 1-bit average per chunk), ``hsq`` (d 8: each bucket's layers encoded and
+allgathered), and the gossip
 methods ``dpsgd``, ``moniqua`` (default options), ``choco`` (its default codec, ``--order cta``, the
 order that overlaps), ``pdsgdm`` and ``cpdsgdm`` (``--order cta --period 2``: a round every second step,
 posted before that step's forward pass). Reported: the median over rounds of the mean seconds per step (steps
@@ -70,6 +71,7 @@ ALGORITHMS = {  # the algorithm's options, and its cases
     "signsgd": (["--lr", "0.001", "--momentum", "0.9"], [CASES[0], CASES[2]]),
     "powersgd": (["--momentum", "0.9", "--rank", "2", "--warmup-steps", "2"], [CASES[0], CASES[2]]),
     "apmsqueeze": (["--lr", "0.001", "--warmup-steps", "2"], [CASES[0], CHUNK_CASE]),
+    "hsq": (["--momentum", "0.9", "--d", "8"], [CASES[0], CASES[2]]),
     "dpsgd": ([], GOSSIP_CASES),
     "moniqua": ([], GOSSIP_CASES),
     "choco": (["--order", "cta"], GOSSIP_CASES),

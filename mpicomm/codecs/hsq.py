@@ -35,6 +35,7 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from .uniform import UniformCodec
 __all__ = [
     "CODEBOOKS",
     "HSQCodec",
+    "HSQDraws",
     "KMEANS_ITERS",
     "KMEANS_SAMPLES_PER_CODEWORD",
     "MODES",
@@ -220,6 +222,20 @@ def inverse_cdf_sample(weights: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 # ---- the codec ------------------------------------------------------------------------------------------
 
 
+@dataclass
+class HSQDraws:
+    """The random draws of one :meth:`HSQCodec.encode`, one per compressed chunk, layers in order: ``norms``
+    (int16, the norms' stochastic rounding) and ``picks`` (float32 uniforms of the index sampling; None in
+    greedy mode)."""
+
+    norms: torch.Tensor
+    picks: torch.Tensor | None
+
+    def chunks(self, first: int, last: int) -> HSQDraws:
+        """The draws of compressed chunks ``first`` .. ``last - 1`` (see :meth:`HSQCodec.chunks_before`)."""
+        return HSQDraws(self.norms[first:last], None if self.picks is None else self.picks[first:last])
+
+
 def _layer_sizes(layout: Sequence) -> list[int]:
     sizes = [getattr(layer, "numel", layer) for layer in layout]
     if isinstance(layout, (str, bytes)) or not all(_is_int(s) and s >= 0 for s in sizes):
@@ -299,13 +315,40 @@ class HSQCodec(Codec):
         buf[:size].copy_(src)
         return buf.view(n, self.d)
 
-    def _select(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices int64, u float32) for every chunk, in row blocks of about ``chunk_elems`` coefficients."""
+    def _rows(self, device: torch.device) -> int:
+        """Chunks per block of the encoders: about ``chunk_elems`` coefficients."""
+        return max(1, chunk_elems(device) // self.k)
+
+    def chunks_before(self, layer: int) -> int:
+        """How many compressed chunks the layers before ``layer`` (an index into ``layout``) hold."""
+        return sum(n for _, _, n, _ in self._plan[:layer])
+
+    def draw(self, device: torch.device) -> HSQDraws:
+        """The draws the next :meth:`encode` on ``device`` would take from the generators, taken now in the same
+        calls; ``encode(x, draws=...)`` of any group of layers (by a codec over those layers) then rounds and
+        samples exactly as the single encode would."""
+        counts = [n for _, _, n, _ in self._plan if n]
+        picks = None
+        if self.mode == "unbiased":
+            picks = torch.empty(sum(counts), dtype=torch.float32, device=device)
+            at, rows = 0, self._rows(device)
+            for n in counts:
+                for start in range(0, n, rows):
+                    m = min(rows, n - start)
+                    picks[at:at + m] = torch.rand(m, device=device, generator=self._sampler.get(device))
+                    at += m
+        norms = self._norms.draw_segments(counts, device) if counts else torch.empty(0, dtype=torch.int16,
+                                                                                       device=device)
+        return HSQDraws(norms, picks)
+
+    def _select(self, chunks: torch.Tensor, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices int64, u float32) for every chunk, in row blocks of about ``chunk_elems`` coefficients
+        (``picks``: the layer's sampling uniforms, unbiased mode)."""
         cb, pt = self._on(chunks.device)
         n = chunks.shape[0]
         idx = torch.empty(n, dtype=torch.int64, device=chunks.device)
         u = torch.empty(n, dtype=torch.float32, device=chunks.device)
-        rows = max(1, chunk_elems(chunks.device) // self.k)
+        rows = self._rows(chunks.device)
         scratch = self._scratch(chunks.device, 2 * min(rows, n) * self.k) if self.mode == "greedy" else None
         for start in range(0, n, rows):
             block = chunks[start : start + rows]
@@ -314,8 +357,7 @@ class HSQCodec(Codec):
             else:
                 a = block @ pt
                 w = a.abs()
-                r = torch.rand(block.shape[0], device=block.device, generator=self._sampler.get(block.device))
-                i = inverse_cdf_sample(w, r)
+                i = inverse_cdf_sample(w, picks[start : start + rows])
                 v = torch.sign(a.gather(1, i[:, None]).squeeze(1)).mul_(w.sum(dim=1))
             idx[start : start + rows], u[start : start + rows] = i, v
         return idx, u
@@ -348,26 +390,34 @@ class HSQCodec(Codec):
             out[:n].copy_(idx & 255)
             bitpack.pack((idx >> 8).to(torch.uint8), b - 8, out=out[n:], check=False)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode every layer of the flat tensor ``x`` (raw float32 or norms + packed indices)."""
+    def encode(self, x: torch.Tensor, draws: HSQDraws | None = None) -> torch.Tensor:
+        """Encode every layer of the flat tensor ``x`` (raw float32 or norms + packed indices).
+
+        ``draws``: from :meth:`draw` (of this codec, or the chunks of these layers from a codec over more
+        layers) instead of drawing now."""
         check_flat_float(x, "HSQCodec.encode")
         x = x.detach()
         payload = torch.empty(self.payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+        if draws is None:
+            draws = self.draw(x.device)
         raw = self._raw_index(x.device)
         if raw is not None:  # every raw layer's float32 bytes in one scatter
             payload.index_copy_(0, raw[0], x.index_select(0, raw[1]).float().view(torch.uint8))
         norms, counts, at = [], [], []
+        done = 0
         for offset, size, n, pos in self._plan:
             if n == 0:
                 continue
-            idx, u = self._select(self._chunks(x, offset, size, n))
+            picks = None if draws.picks is None else draws.picks[done:done + n]
+            idx, u = self._select(self._chunks(x, offset, size, n), picks)
+            done += n
             nb = self._norms.payload_bytes(n)
             self._pack_indices(idx, payload[pos + nb : pos + self._layer_bytes(size, n)])
             norms.append(u)
             counts.append(n)
             at.append(pos)
         if norms:  # every layer's norms in one call: the generator draws layer by layer, as one call per layer
-            self._norms.encode_segments(torch.cat(norms), counts, payload, at)
+            self._norms.encode_segments(torch.cat(norms), counts, payload, at, draws=draws.norms)
         return payload
 
     # ------------------------------------------------------------------ decode

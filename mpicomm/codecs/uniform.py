@@ -82,10 +82,30 @@ class UniformCodec(Codec):
         bounds = torch.tensor([self.lo, self.hi], dtype=torch.float64, device=payload.device)
         return bounds[0], bounds[1]
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantize ``x`` to ``bits``-bit grid indices, packed after the optional [lo, hi] header."""
+    def draw_segments(self, counts: list[int], device: torch.device) -> torch.Tensor:
+        """The draws (int16, one per element) that encoding pieces of ``counts`` elements in turn would take from the
+        stochastic rounding generator, taken now in the same calls; pass slices of them to :meth:`encode` or
+        :meth:`encode_segments` as ``draws`` to encode the pieces later, in any order, with the same codes."""
+        if self._rng is None:
+            raise ValueError("draw_segments: only stochastic rounding draws")
+        out = torch.empty(int(sum(counts)), dtype=torch.int16, device=device)
+        at, step = 0, chunk_elems(device)
+        for count in counts:
+            for start, stop in chunk_ranges(count, step):
+                out[at + start:at + stop].copy_(self._rng.draw16(stop - start, device))
+            at += count
+        return out
+
+    def encode(self, x: torch.Tensor, draws: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize ``x`` to ``bits``-bit grid indices, packed after the optional [lo, hi] header.
+
+        ``draws``: stochastic rounding only, ``x.numel()`` values from :meth:`draw_segments` to round with
+        instead of drawing from the generator."""
         check_flat_float(x, "UniformCodec.encode")
         x, n, bits = x.detach(), x.numel(), self.bits
+        if draws is not None and (self._rng is None or draws.shape != (n,)):
+            raise ValueError(f"UniformCodec.encode: draws need stochastic rounding and shape ({n},), got "
+                             f"{tuple(draws.shape)} with rounding {self.rounding!r}")
         payload = torch.empty(self.payload_bytes(n), dtype=torch.uint8, device=x.device)
         if self._header:
             bounds = torch.stack(torch.aminmax(x)).float() if n else torch.zeros(2, device=x.device)
@@ -115,24 +135,29 @@ class UniformCodec(Codec):
                 if rng is None:
                     kuniform.encode_nearest(xc, *args, out.numpy())
                 else:
-                    kuniform.encode_stochastic(xc, rng.draw16(m, x.device).numpy(), *args, out.numpy())
+                    drawn = rng.draw16(m, x.device) if draws is None else draws[start:stop]
+                    kuniform.encode_stochastic(xc, drawn.numpy(), *args, out.numpy())
                 continue
             yc, cc = y[:m], codes[:m]
             torch.sub(f32_chunk(x[start:stop], yc), lo, out=yc)
             yc.mul_(scale)
             if rng is None:
                 yc.add_(0.5)
-            else:
+            elif draws is None:
                 yc.add_(rng.uniform_(u[:m]))
+            else:  # as SeededGenerator.uniform_ turns its draws into uniforms
+                yc.add_(u[:m].copy_(draws[start:stop]).add_(32768.5).mul_(2.0**-16))
             yc.clamp_(0.0, self.levels)
             store_codes(cc, yc, bits)  # truncation == floor on non-negative values
             bitpack.pack(cc, bits, out=out, check=False)
         return payload
 
-    def encode_segments(self, x: torch.Tensor, counts: list[int], payload: torch.Tensor, at: list[int]) -> None:
+    def encode_segments(self, x: torch.Tensor, counts: list[int], payload: torch.Tensor, at: list[int],
+                        draws: torch.Tensor | None = None) -> None:
         """Encode each of the consecutive pieces of ``counts`` elements of the float32 CPU tensor ``x`` into
         ``payload`` from byte ``at[i]`` (``payload_bytes(counts[i])`` bytes each): bit for bit ``encode`` of
-        every piece in turn, the generator drawn piece by piece as those calls draw it, in one kernel call.
+        every piece in turn, the generator drawn piece by piece as those calls draw it, in one kernel call
+        (``draws``: the pieces' draws from :meth:`draw_segments`, taken earlier).
 
         For stochastic rounding with a per-tensor range, pieces of at most one chunk, on the ``kernels``
         backend (HSQ's per-layer norms, any width); anything else, or a piece holding a NaN, encodes piece by
@@ -148,7 +173,8 @@ class UniformCodec(Codec):
             fused = not np.isnan(bounds).any()  # a NaN header carries the input NaN's bits: torch's aminmax keeps them
         if not fused:
             for a, b, pos in zip(starts[:-1], starts[1:], at):
-                payload[pos:pos + self.payload_bytes(int(b - a))].copy_(self.encode(x[a:b]))
+                piece = None if draws is None else draws[a:b]
+                payload[pos:pos + self.payload_bytes(int(b - a))].copy_(self.encode(x[a:b], draws=piece))
             return
         from .kernels import uniform as kuniform
 
@@ -158,11 +184,10 @@ class UniformCodec(Codec):
         lo, hi = bounds[:, 0].astype(np.float64), bounds[:, 1].astype(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             scale = np.where(hi > lo, self.levels / (hi - lo), 0.0).astype(np.float32)  # as in encode: float64
-        draws = np.empty(int(starts[-1]), dtype=np.int16)
-        for a, b in zip(starts[:-1], starts[1:]):  # each draw16 reuses one scratch buffer: copy it out at once
-            draws[a:b] = self._rng.draw16(int(b - a), x.device).numpy()
-        kuniform.encode_stochastic_segments(values, draws, starts, bounds[:, 0].copy(), scale, np.float32(self.levels),
-                                            self.bits, np.asarray(at, dtype=np.int64) + 8, raw)
+        if draws is None:
+            draws = self.draw_segments(counts, x.device)
+        kuniform.encode_stochastic_segments(values, draws.numpy(), starts, bounds[:, 0].copy(), scale,
+                                            np.float32(self.levels), self.bits, np.asarray(at, dtype=np.int64) + 8, raw)
 
     def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """``lo + k*step`` for every packed index ``k``."""

@@ -12,7 +12,9 @@ Step t, with S_t the participating ranks (all unless ``participation`` < 1) and 
 
 Aggregation "allgather" (every rank decodes) or "server" (rank 0 decodes and broadcasts g_bar). Every
 rank applies the same g_bar, so the models stay identical. ``optimizer=`` and ``clip_grad_norm_`` are
-refused. Participation, seeds and wire bytes: ``docs/algorithms/hsq.md``.
+refused. Participation, seeds and wire bytes: ``docs/algorithms/hsq.md``. ``overlap=True`` encodes and
+allgathers the gradient bucket by bucket during backward (:mod:`.bucketed_hsq`), bit for bit the blocking
+step; not with ``hierarchical``.
 
 ``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
 with L ranks on each of N nodes, rank (node a, local j) quantizes s_a, the node's exact sum of shard j of the
@@ -38,7 +40,9 @@ import torch
 from ...codecs.hsq import HSQCodec, check_hsq_options
 from ...comm import raise_together
 from ..base import Algorithm, check_range, clone_optimizer_state
+from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import HierarchicalConfig, shard_layers, two_level_for
+from .bucketed_hsq import BucketedHSQ
 
 __all__ = ["AGGREGATIONS", "HSQ", "HSQConfig", "codec_seed", "participants"]
 
@@ -60,7 +64,7 @@ def participants(seed: int, step: int, size: int, participation: float) -> list[
 
 
 @dataclass(frozen=True)
-class HSQConfig(HierarchicalConfig):
+class HSQConfig(HierarchicalConfig, OverlapConfig):
     """HSQ options (see :class:`~mpicomm.codecs.hsq.HSQCodec`).
 
     d: chunk dimension. K: codebook size (None: 256 for gaussian/kmeans, d for orthonormal/rotation/
@@ -68,6 +72,7 @@ class HSQConfig(HierarchicalConfig):
     quantized norm (1..8). min_compress: layers with at most this many parameters travel as float32.
     aggregation: ``"allgather"`` or ``"server"``. participation: fraction of ranks (nodes, in two levels)
     contributing per step. hierarchical: see :class:`~mpicomm.algorithms.shared.hierarchy.HierarchicalConfig`.
+    overlap: encode and allgather gradient buckets during backward (bucket sizes: see OverlapConfig).
     """
 
     d: int = 16
@@ -87,7 +92,7 @@ class HSQConfig(HierarchicalConfig):
         check_range("participation", self.participation, lo=0.0, hi=1.0, lo_open=True)
 
 
-class HSQ(Algorithm):
+class HSQ(LaunchedTraffic, Algorithm):
     """Synchronous SGD on the average of hyper-sphere-quantized gradients (allgather or server aggregation)."""
 
     name = "hsq"
@@ -115,13 +120,28 @@ class HSQ(Algorithm):
         raise_together(comm, error)
         self.payload_bytes = self.codec.payload_bytes(numel)
         self._zeros = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=self.flat.data.device)
-        self._decoded = torch.empty(numel, dtype=torch.float32, device=self.flat.data.device)
+        self.decoded = torch.empty(numel, dtype=torch.float32, device=self.flat.data.device)  # decode scratch
         self.last_participants: list[int] = []
         self.optimizer = self._local_sgd()
+        self.bucketed = BucketedHSQ(self, cfg.bucket_numel, cfg.first_bucket_numel) if cfg.overlap else None
+
+    def _prepare(self, grad: torch.Tensor) -> None:
+        """With overlap each bucket was divided by the micro-batch count at its launch: nothing here."""
+        if self.bucketed is None:
+            super()._prepare(grad)
+
+    def choose_participants(self, size: int | None = None) -> list[int]:
+        """This step's contributing ranks (of ``size``, default the communicator's), kept as ``last_participants``."""
+        cfg = self.config
+        self.last_participants = participants(cfg.seed, self.step_count, size or self.comm.size, cfg.participation)
+        return self.last_participants
 
     def _step(self, grad: torch.Tensor) -> None:
         levels = self.two_level
-        if levels is None:
+        self._first_launch = None
+        if self.bucketed is not None:
+            self._first_launch = self.bucketed.finish(grad)
+        elif levels is None:
             self._average(self.comm, grad, 1)
         else:
             shard = levels.reduce(grad)
@@ -134,14 +154,13 @@ class HSQ(Algorithm):
         """Collective over ``comm``: ``vec`` <- (1/(|S| summed)) sum_{r in S} decode(Q_r(vec_r)), S this step's
         participants among ``comm``'s ranks, each ``vec_r`` a sum of ``summed`` gradients."""
         cfg, rank = self.config, comm.rank
-        chosen = participants(cfg.seed, self.step_count, comm.size, cfg.participation)
-        self.last_participants = chosen
+        chosen = self.choose_participants(comm.size)
         payload = self.codec.encode(vec) if rank in chosen else self._zeros
         gathered = comm.allgather(payload)
         if cfg.aggregation == "allgather" or rank == 0:
             vec.zero_()
             for r in chosen:
-                vec.add_(self.codec.decode(gathered[r], vec.numel(), out=self._decoded))
+                vec.add_(self.codec.decode(gathered[r], vec.numel(), out=self.decoded))
             vec.div_(len(chosen) * summed)
         if cfg.aggregation == "server":
             comm.bcast(vec, root=0)
