@@ -17,6 +17,11 @@ Only one backward pass per step (outside ``Algorithm.accumulate``, whose hooks l
 micro-batch only): a hook that runs before accumulation refuses a second gradient with a RuntimeError,
 leaving the first intact. With MPICH's default (no asynchronous progress thread) a pending collective
 advances inside MPI calls: each hook polls the newest handle.
+
+On a CUDA device each launch runs on a side stream of its own (as DDP's reducer does): the stream first waits
+for the work queued so far on the current stream (the bucket's gradients), so the encode, and the
+synchronisation before MPI reads the buffer, wait for that bucket only, not for backward kernels queued
+after it; ``finish()`` makes the current stream wait for the side stream before the results are read.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class GradBuckets:
             for k in mine:
                 self.size[k] += 1
         self.handles: list = []
+        grad = algo.flat.grad
+        self.stream = torch.cuda.Stream(grad.device) if grad.device.type == "cuda" else None
         self.waiting = list(self.size)
         self.ready = [False] * len(algo.flat.params)
         self.first_launch: dict | None = None  # ledger totals before the first launch of this step
@@ -144,7 +151,15 @@ class GradBuckets:
         while len(self.handles) < len(self.ranges) and not (only_complete and self.waiting[len(self.handles)]):
             if not self.handles:
                 self.first_launch = self.algo.comm.ledger.totals()
-            self.handles.append(self.launch(*self.ranges[len(self.handles)]))
+            self.handles.append(self._on_side_stream(*self.ranges[len(self.handles)]))
+
+    def _on_side_stream(self, lo: int, hi: int):
+        """``launch(lo, hi)``, on the side stream after the work queued so far when the gradient is on a GPU."""
+        if self.stream is None:
+            return self.launch(lo, hi)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            return self.launch(lo, hi)
 
     def finish(self) -> tuple[list, dict | None]:
         """Launch the remaining buckets, wait for all, reset for the next step.
@@ -154,6 +169,8 @@ class GradBuckets:
         self._launch(only_complete=False)
         for handle in self.handles:
             handle.wait()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         done, first = self.handles, self.first_launch
         self.handles, self.waiting, self.ready, self.first_launch = [], list(self.size), [False] * len(self.ready), None
         return done, first
