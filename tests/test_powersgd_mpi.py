@@ -53,12 +53,13 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
     bucket's order), which the hook then uses because warm start finds it in ``q_memory_dict``.
     Rate 0.5 also compresses the biases (as (a, 1) matrices).
     """
-    if comm.Get_size() == 1 and rank == 2:
-        pytest.xfail("at one process, rank 2 with warm start parts from the hook and from the QR reference alike "
-                     "after step 4, the gap growing about 10x a step (2e-6 at step 5); at 2 and 4 ranks it agrees")
+    # One worker at rank 2 is ill-conditioned from step 5 on: the all-ranks reference below, run once with QR and
+    # once with Gram-Schmidt, parts from itself by 5.5e-6 at step 5 and about 10x more each step after, so any two
+    # correct float32 implementations (the hook batches its matmuls) part there. Compared up to step 4 only.
+    ill_conditioned = comm.Get_size() == 1 and rank == 2
 
     def body():
-        warmup, steps, me = 2, 8, comm.Get_rank()
+        warmup, steps, me = 2, 4 if ill_conditioned else 8, comm.Get_rank()
         options = {"rank": rank, "warmup_steps": warmup, "min_compression_rate": rate,
                    "error_feedback": error_feedback}
         algo = make_algorithm("powersgd", make_model(seed=me), _comm(comm), lr=0.1, momentum=0.9, **options)
