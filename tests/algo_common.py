@@ -81,3 +81,12 @@ def topologies_for(n: int) -> list:
 def mixing(schedule, step: int) -> torch.Tensor:
     """W at ``step`` as a float32 tensor."""
     return torch.tensor(schedule.at(step).W, dtype=torch.float32)
+
+
+def in_turns(comm, rounds: int, step) -> None:
+    """``rounds`` times: rank 0 calls ``step()``, then rank 1, ... (a barrier between turns)."""
+    for _ in range(rounds):
+        for turn in range(comm.Get_size()):
+            if comm.Get_rank() == turn:
+                step()
+            comm.Barrier()

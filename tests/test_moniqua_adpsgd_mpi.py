@@ -12,21 +12,12 @@ from mpicomm.codecs.moniqua import dither, stream_key
 from mpicomm.comm import Communicator
 
 from . import lsq_problem as lsq
-from .algo_common import make_model, topologies_for, train
+from .algo_common import in_turns, make_model, topologies_for, train
 from .conftest import run_all
 
 pytestmark = pytest.mark.mpi
 
 PAPER = {"bits": 1, "parts": 1, "theta_per": "model", "rounding": "nearest"}
-
-
-def in_turns(comm, rounds: int, step) -> None:
-    """``rounds`` times: rank 0 calls ``step()``, then rank 1, ... (a barrier between turns)."""
-    for _ in range(rounds):
-        for turn in range(comm.Get_size()):
-            if comm.Get_rank() == turn:
-                step()
-            comm.Barrier()
 
 
 @pytest.mark.parametrize("options", [{}, {"gamma": 0.5, "momentum": 0.9, "weight_decay": 0.01}])

@@ -12,7 +12,7 @@ from mpicomm.algorithms import ALGORITHMS, make_algorithm
 from mpicomm.comm import Communicator
 from mpicomm.training.param_groups import decay_groups
 
-from .algo_common import grad_at, initial_flat, make_model, mixing, topologies_for, train
+from .algo_common import grad_at, in_turns, initial_flat, make_model, mixing, topologies_for, train
 from .conftest import run_all
 
 pytestmark = pytest.mark.mpi
@@ -327,15 +327,6 @@ def _reference_in_turns(n, rounds, build, schedule, seed, gamma):
             x[r] = x[r] + d
             published[r] = x[r].clone()
     return torch.stack(x)
-
-
-def in_turns(comm, rounds: int, step) -> None:
-    """``rounds`` times: rank 0 calls ``step()``, then rank 1, ... (a barrier between turns)."""
-    for _ in range(rounds):
-        for turn in range(comm.Get_size()):
-            if comm.Get_rank() == turn:
-                step()
-            comm.Barrier()
 
 
 # Asynchronous algorithms; the identity Moniqua (bits=32) runs AD-PSGD's pull exactly, 8 bits to its grid
