@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..shared.buckets import GradBuckets
-from .layout import Matrix
+from .layout import Matrix, gather_slices, scatter_slices
 
 __all__ = ["BucketedPowerSGD"]
 
@@ -95,10 +95,7 @@ class BucketedPowerSGD:
         if algo.error is not None:
             grad[lo:hi].add_(algo.error[lo:hi])  # M_i = g_i + e_i
         algo.project(part.matrices, grad, self.p)
-        at = part.u.start
-        for offset, numel in part.plain:
-            self.u[at:at + numel].copy_(grad[offset:offset + numel])
-            at += numel
+        gather_slices(part.plain, grad, self.u[part.u])
         p_handle = algo.comm.iallreduce(self.p[part.p]) if part.matrices else None
         u_handle = algo.comm.iallreduce(self.u[part.u]) if part.plain else None
         self._plain_handles.append(u_handle)
@@ -128,10 +125,7 @@ class BucketedPowerSGD:
             for part, q_handle, u_handle in zip(self.parts, self._q_handles, self._plain_handles):
                 if u_handle is not None:
                     u_handle.wait()
-                    at = part.u.start
-                    for offset, numel in part.plain:
-                        grad[offset:offset + numel].copy_(self.u[at:at + numel]).div_(n)
-                        at += numel
+                    scatter_slices(part.plain, self.u[part.u].div_(n), grad)
                 if q_handle is not None:
                     q_handle.wait()
                     algo.q[part.q].div_(n)

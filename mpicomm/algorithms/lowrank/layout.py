@@ -27,7 +27,7 @@ import torch
 
 from ...flat import FlatParameters
 
-__all__ = ["LowRankLayout", "Matrix", "orthogonalize"]
+__all__ = ["LowRankLayout", "Matrix", "gather_slices", "orthogonalize", "scatter_slices"]
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -41,6 +41,23 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
             rest = matrix[:, i + 1:]
             rest.sub_((col * rest).sum(dim=0, keepdim=True) * col)
     return matrix
+
+
+def gather_slices(slices, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy the ``(offset, numel)`` slices of ``flat`` one after another into ``out``; returns ``out``."""
+    at = 0
+    for offset, numel in slices:
+        out[at:at + numel].copy_(flat[offset:offset + numel])
+        at += numel
+    return out
+
+
+def scatter_slices(slices, packed: torch.Tensor, flat: torch.Tensor) -> None:
+    """The inverse of :func:`gather_slices`: write ``packed`` back into the ``(offset, numel)`` slices of ``flat``."""
+    at = 0
+    for offset, numel in slices:
+        flat[offset:offset + numel].copy_(packed[at:at + numel])
+        at += numel
 
 
 @dataclass(frozen=True)
@@ -92,18 +109,11 @@ class LowRankLayout:
 
     def gather_plain(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy the uncompressed slices of ``flat`` one after another into ``out``; returns ``out``."""
-        at = 0
-        for offset, numel in self.plain:
-            out[at:at + numel].copy_(flat[offset:offset + numel])
-            at += numel
-        return out
+        return gather_slices(self.plain, flat, out)
 
     def scatter_plain(self, packed: torch.Tensor, flat: torch.Tensor) -> None:
         """The inverse of :meth:`gather_plain`: write ``packed`` back into the uncompressed slices of ``flat``."""
-        at = 0
-        for offset, numel in self.plain:
-            flat[offset:offset + numel].copy_(packed[at:at + numel])
-            at += numel
+        scatter_slices(self.plain, packed, flat)
 
     def draw_q(self, q: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the Q buffer with standard normal entries, matrix by matrix (one draw per Q)."""
