@@ -13,3 +13,17 @@ def train(algo, steps, loss_fn, bucketed, micro=1):
             launched.append(len(bucketed.buckets.handles) if bucketed is not None else 0)
         algo.step()
     return launched
+
+
+def resume_matches_straight(build, train_steps, before: int, after: int, same) -> None:
+    """``before`` steps, a save between steps (nothing in flight), ``after`` more steps == a fresh algorithm
+    loaded from that save and trained ``after`` steps: ``same(straight, resumed)`` asserts it. ``build()``
+    makes the overlapped algorithm, ``train_steps(algo, k)`` trains it k steps."""
+    straight = build()
+    train_steps(straight, before)
+    state = straight.state_dict()
+    train_steps(straight, after)
+    resumed = build()
+    resumed.load_state_dict(state)
+    train_steps(resumed, after)
+    same(straight, resumed)

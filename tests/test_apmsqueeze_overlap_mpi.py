@@ -6,7 +6,7 @@ import torch
 from mpicomm.algorithms import make_algorithm
 
 from .conftest import run_all
-from .overlap_common import train
+from .overlap_common import resume_matches_straight, train
 from .test_apmsqueeze_mpi import _comm
 from .test_compressed_overlap_mpi import cnn, cnn_loss
 
@@ -95,14 +95,7 @@ def test_overlap_with_accumulation_is_bit_identical(comm):
 def test_overlap_state_round_trip_is_bit_exact(comm):
     """1 + 4 steps == 5 steps, the save taken between steps (nothing in flight) before the warm-up switch."""
     def body():
-        _, straight = _pair(comm, "cnn")
-        run(straight, 1, cnn_loss)
-        state = straight.state_dict()
-        run(straight, 4, cnn_loss)
-        _, resumed = _pair(comm, "cnn")
-        resumed.load_state_dict(state)
-        run(resumed, 4, cnn_loss)
-        _same(straight, resumed)
+        resume_matches_straight(lambda: _pair(comm, "cnn")[1], lambda algo, k: run(algo, k, cnn_loss), 1, 4, _same)
 
     run_all(comm, body)
 

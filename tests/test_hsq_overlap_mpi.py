@@ -8,7 +8,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.comm import Communicator
 
 from .conftest import run_all
-from .overlap_common import train
+from .overlap_common import resume_matches_straight, train
 from .test_compressed_overlap_mpi import cnn, cnn_loss
 
 pytestmark = pytest.mark.mpi
@@ -70,14 +70,7 @@ def test_overlap_with_accumulation_and_resume_is_bit_identical(comm):
         run(over, 3, micro=3)
         _same(plain, over)
 
-        _, straight = _pair(comm, CASES["greedy"])
-        run(straight, 2)
-        state = straight.state_dict()
-        run(straight, 2)
-        _, resumed = _pair(comm, CASES["greedy"])
-        resumed.load_state_dict(state)
-        run(resumed, 2)
-        _same(straight, resumed)
+        resume_matches_straight(lambda: _pair(comm, CASES["greedy"])[1], run, 2, 2, _same)
 
     run_all(comm, body)
 

@@ -6,7 +6,7 @@ import torch
 from mpicomm.algorithms import make_algorithm
 
 from .conftest import run_all
-from .overlap_common import train
+from .overlap_common import resume_matches_straight, train
 from .test_compressed_overlap_mpi import cnn, cnn_loss
 from .test_powersgd_mpi import _comm
 
@@ -78,14 +78,7 @@ def test_overlap_with_accumulation_and_a_user_optimizer_is_bit_identical(comm):
 def test_overlap_state_round_trip_is_bit_exact(comm):
     """3 + 2 steps == 5 steps, the save taken between steps (nothing in flight) across the warm-up switch."""
     def body():
-        _, straight = _pair(comm, CASES["rank1"])
-        run(straight, 1)
-        state = straight.state_dict()
-        run(straight, 4)
-        _, resumed = _pair(comm, CASES["rank1"])
-        resumed.load_state_dict(state)
-        run(resumed, 4)
-        _same(straight, resumed)
+        resume_matches_straight(lambda: _pair(comm, CASES["rank1"])[1], run, 1, 4, _same)
 
     run_all(comm, body)
 

@@ -19,7 +19,7 @@ import hashlib
 
 import torch
 
-__all__ = ["SeededGenerator", "check_seed"]
+__all__ = ["SeededGenerator", "check_seed", "uniforms_from_draws"]
 
 
 def check_seed(seed: int) -> int:
@@ -33,6 +33,13 @@ def _derived_seed(rng_state: torch.Tensor) -> int:
     """A 63-bit seed that is a pure function of a saved generator state (for a change of device type)."""
     digest = hashlib.sha256(rng_state.numpy().tobytes()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def uniforms_from_draws(draws: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """u = (r + 1/2)/2**16 in (0, 1) into the float32 ``out``, from ``draws`` of r - 32768
+    (:meth:`SeededGenerator.draw16`)."""
+    out.copy_(draws)  # r - 32768, exact in float32
+    return out.add_(32768.5).mul_(2.0**-16)
 
 
 class SeededGenerator:
@@ -74,8 +81,7 @@ class SeededGenerator:
 
     def uniform_(self, out: torch.Tensor) -> torch.Tensor:
         """Fill the float32 tensor ``out`` with u = (r + 1/2)/2**16 in (0, 1), r uniform on 0..65535."""
-        out.copy_(self.draw16(out.numel(), out.device))  # r - 32768, exact in float32
-        return out.add_(32768.5).mul_(2.0**-16)
+        return uniforms_from_draws(self.draw16(out.numel(), out.device), out)
 
     def state_dict(self) -> dict:
         """``{"seed", "device", "rng_state"}``; device and state are None before the first encode."""

@@ -337,9 +337,7 @@ class HSQCodec(Codec):
                     m = min(rows, n - start)
                     picks[at:at + m] = torch.rand(m, device=device, generator=self._sampler.get(device))
                     at += m
-        norms = self._norms.draw_segments(counts, device) if counts else torch.empty(0, dtype=torch.int16,
-                                                                                       device=device)
-        return HSQDraws(norms, picks)
+        return HSQDraws(self._norms.draw_segments(counts, device), picks)
 
     def _select(self, chunks: torch.Tensor, picks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices int64, u float32) for every chunk, in row blocks of about ``chunk_elems`` coefficients

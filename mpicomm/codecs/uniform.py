@@ -35,7 +35,7 @@ from ._layout import (
     store_codes,
     write_field,
 )
-from ._rng import SeededGenerator
+from ._rng import SeededGenerator, uniforms_from_draws
 from .base import Codec, check_flat_float, check_payload
 
 __all__ = ["ROUNDINGS", "UniformCodec"]
@@ -145,8 +145,8 @@ class UniformCodec(Codec):
                 yc.add_(0.5)
             elif draws is None:
                 yc.add_(rng.uniform_(u[:m]))
-            else:  # as SeededGenerator.uniform_ turns its draws into uniforms
-                yc.add_(u[:m].copy_(draws[start:stop]).add_(32768.5).mul_(2.0**-16))
+            else:
+                yc.add_(uniforms_from_draws(draws[start:stop], u[:m]))
             yc.clamp_(0.0, self.levels)
             store_codes(cc, yc, bits)  # truncation == floor on non-negative values
             bitpack.pack(cc, bits, out=out, check=False)

@@ -66,8 +66,8 @@ class BucketedHSQ:
         grad = algo.flat.grad[lo:hi]
         if algo.accumulation > 1:
             grad.div_(algo.accumulation)
-        if self._draws is None:
-            payload = torch.zeros(received.shape[1], dtype=torch.uint8, device=grad.device)
+        if self._draws is None:  # not participating: zeros, as the blocking step sends
+            payload = algo.zero_payload[:received.shape[1]]
         else:
             payload = part.encode(grad, draws=self._draws.chunks(first, last))
         return algo.comm.iallgather(payload, out=received)

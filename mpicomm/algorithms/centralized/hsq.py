@@ -119,7 +119,7 @@ class HSQ(LaunchedTraffic, Algorithm):
                                "must run the same torch build to build the same seeded codebook")
         raise_together(comm, error)
         self.payload_bytes = self.codec.payload_bytes(numel)
-        self._zeros = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=self.flat.data.device)
+        self.zero_payload = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=self.flat.data.device)
         self.decoded = torch.empty(numel, dtype=torch.float32, device=self.flat.data.device)  # decode scratch
         self.last_participants: list[int] = []
         self.optimizer = self._local_sgd()
@@ -155,7 +155,7 @@ class HSQ(LaunchedTraffic, Algorithm):
         participants among ``comm``'s ranks, each ``vec_r`` a sum of ``summed`` gradients."""
         cfg, rank = self.config, comm.rank
         chosen = self.choose_participants(comm.size)
-        payload = self.codec.encode(vec) if rank in chosen else self._zeros
+        payload = self.codec.encode(vec) if rank in chosen else self.zero_payload
         gathered = comm.allgather(payload)
         if cfg.aggregation == "allgather" or rank == 0:
             vec.zero_()

@@ -146,20 +146,20 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         torch.lerp(m[lo:hi], self.flat.grad[lo:hi], 1 - self.config.beta1, out=self.onebit.input[lo:hi])
 
     def _step(self, grad: torch.Tensor) -> None:
-        before = self._ops_sent()
+        before = self.bytes_sent_by_op()
         self._first_launch = None
         if self.pipelined is not None:
             self._first_launch = self.pipelined.finish(grad)
-            before.update(self.pipelined.sent_before)
+            before = self.pipelined.sent_before
         if self.step_count < self.warmup:
             self._adam_step(grad, averaged=self.pipelined is not None)
         else:
             self._compressed_step(grad, averaged=self.pipelined is not None)
-        now = self._ops_sent()
+        now = self.bytes_sent_by_op()
         self._last_ops = {op: now[op] - before[op] for op in _OPS}
 
-    def _ops_sent(self) -> dict[str, int]:
-        """Bytes sent so far by each collective this method uses."""
+    def bytes_sent_by_op(self) -> dict[str, int]:
+        """Bytes sent so far by each collective this method uses (the Ledger's, per operation)."""
         return {op: self.comm.ledger.bytes_sent(op) for op in _OPS}
 
     def _adam_step(self, grad: torch.Tensor, averaged: bool = False) -> None:

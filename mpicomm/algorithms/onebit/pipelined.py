@@ -58,7 +58,7 @@ class PipelinedOneBitAverage:
         self._nothing = torch.empty(0, dtype=torch.uint8, device=onebit.input.device)
         self._phase2: list = []
         self._launched = 0
-        self.sent_before: dict[str, int] = {}  # bytes sent per collective before this step's first launch
+        self.sent_before: dict[str, int] = {}  # algo.bytes_sent_by_op() before this step's first launch
 
     def _counts(self, first: int, last: int) -> list[int]:
         """P bytes for each rank in [first, last), nothing for the others."""
@@ -70,7 +70,7 @@ class PipelinedOneBitAverage:
         algo, b = self.algo, self._launched
         self._launched += 1
         if b == 0:
-            self.sent_before = {op: algo.comm.ledger.bytes_sent(op) for op in ("allreduce", "alltoallv")}
+            self.sent_before = algo.bytes_sent_by_op()
         grad = algo.flat.grad
         if algo.accumulation > 1:
             grad[lo:hi].div_(algo.accumulation)
