@@ -16,14 +16,22 @@
 
 :func:`init` also installs how errors end a job: an error every rank raised alike (a bad option, a
 checkpoint that cannot be used) is printed once, by rank 0, in one line, and every rank exits with
-status 2; any other uncaught exception prints that rank's traceback and aborts the whole job, so no
-rank is left waiting in a collective.
+status 2. A mistake in the loop that a rank finds on its own (:class:`~mpicomm.errors.ScriptError`: a
+parameter re-homed after ``wrap``, ``optimizer.step()`` outside ``algo.step()``) is one line as well, and
+exit 2: from rank 0 when every rank made it, else from each rank that did. Any other uncaught exception
+prints that rank's traceback and aborts the whole job, so no rank is left waiting in a collective.
+
+What ``wrap`` keeps in step, as DDP does: every parameter (trainable or frozen) and every buffer starts
+equal to rank 0's; the trainable ones are averaged or mixed by the algorithm, the frozen ones and the
+buffers are saved and restored, and ``averaged_model()`` averages the floating-point buffers too. The
+parameters must be float32 (or float64): half precision is for the compute, under ``torch.autocast``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -47,11 +55,21 @@ _JOB: Job | None = None
 
 
 def _excepthook(kind, value, tb) -> None:
-    """Agreed errors: one line from rank 0, exit 2 everywhere; anything else: this rank's traceback, then abort."""
+    """Agreed errors and script errors: one line, exit 2; anything else: this rank's traceback, then abort."""
     from .comm import world
-    from .errors import agreed_of
+    from .comm.failfast import ABORT_GRACE_S, settle_local_error
+    from .errors import ScriptError, agreed_of, one_line
 
     comm = world()
+    if isinstance(value, ScriptError):
+        line, everyone = settle_local_error(one_line(str(value)))
+        if line:
+            sys.stderr.write(f"mpicomm: error: {line}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if not everyone:
+            time.sleep(ABORT_GRACE_S)  # the launcher ends the other ranks as this one exits: let the line out first
+        os._exit(2)
     mark = agreed_of(value)
     if mark is not None:
         if comm.Get_rank() == 0:
@@ -72,27 +90,44 @@ def init(device: str = "auto", errors: bool = True) -> Job:
 
     ``device``: ``auto`` (``cuda:{local_rank % GPUs}`` when CUDA is available, else the CPU), ``cpu``,
     ``cuda`` or ``cuda:N``; a CUDA device is made current. ``errors``: install the job-wide error handling
-    described in the module docstring (``sys.excepthook``).
+    described in the module docstring (``sys.excepthook``), first, so that a bad ``device`` or a bad
+    ``MPICOMM_*`` environment variable is already one line.
     """
     global _JOB
+    if errors:
+        sys.excepthook = _excepthook
     if _JOB is None:
         from .comm import node_layout, raise_together, world
+        from .comm.failfast import prepare_local_errors
         from .training.device import select_device
 
         comm = world()
         local, _ = node_layout(comm)
         chosen, error = None, None
         try:
-            chosen = select_device(device, local)
+            _check_environment()
+            chosen = select_device(device, local, named="mpicomm.init(device='{}')")
         except ValueError as exc:
             error = exc
         raise_together(comm, error)
+        prepare_local_errors(comm)
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
         _JOB = Job(comm.Get_rank(), comm.Get_size(), local, chosen, comm)
-    if errors:
-        sys.excepthook = _excepthook
     return _JOB
+
+
+def _check_environment() -> None:
+    """Raise ``ValueError`` naming the first ``MPICOMM_*`` environment variable with a value mpicomm cannot use."""
+    from .comm import query_cuda_aware
+    from .comm.guard import hang_timeout_from_env, signal_grace_from_env
+    from .comm.nodes import ranks_per_node_setting
+
+    hang_timeout_from_env()
+    signal_grace_from_env()
+    ranks_per_node_setting()
+    if os.environ.get("MPICOMM_CUDA_AWARE") is not None:
+        query_cuda_aware()
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, algorithm: str = "allreduce_sgd",
@@ -133,13 +168,21 @@ def sampler(dataset, *, shuffle: bool = True, seed: int = 0):
 def save(directory, algo, step: int, keep_last: int | None = 2, **extra) -> str:
     """Collective: commit a checkpoint of every rank as ``directory/step-<step>`` (atomic; HDF5, one file per rank).
 
-    It holds the algorithm's whole state (parameters, optimizer, error buffers, replicas, …), the model's
-    buffers, every global random generator and ``extra`` (tensors, numbers, strings, nested dicts: e.g. a
-    scheduler's ``state_dict()``), so that :func:`restore` continues bit for bit. Older checkpoints beyond
-    ``keep_last`` are removed. Returns the checkpoint's path.
+    It holds the algorithm's whole state (parameters, frozen ones too, optimizer, error buffers, replicas,
+    …), the model's buffers, every global random generator and ``extra`` (tensors, numbers, strings, nested
+    dicts: e.g. a scheduler's ``state_dict()``), so that :func:`restore` continues bit for bit. Older
+    checkpoints beyond ``keep_last`` are removed. Returns the checkpoint's path. Refused (one line, every
+    rank) between the micro-batches of an accumulated step (``algo.pending_micro_batches``): their summed
+    gradient is not part of the state.
     """
     from .checkpoint import capture_rng_state, run_meta, save_checkpoint
+    from .comm import raise_together
 
+    pending = algo.pending_micro_batches
+    raise_together(algo.comm, None if not pending else ValueError(
+        f"save: {pending} micro-batch(es) of an accumulated step are pending (algo.accumulate); their summed "
+        "gradient is not checkpointed, so save right after the step that updates (pending_micro_batches == 0)"))
+    algo.check_model("state_dict()")
     state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(algo.flat.data.device),
              "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()}, "extra": extra}
     return str(save_checkpoint(directory, algo.comm, state, step=step, meta=run_meta(algo.comm, algo),
@@ -149,23 +192,37 @@ def save(directory, algo, step: int, keep_last: int | None = 2, **extra) -> str:
 def restore(path, algo) -> tuple[int, dict]:
     """Collective: load :func:`save`'s checkpoint into ``algo`` (a run directory: its latest); ``(step, extra)``.
 
-    The checkpoint must come from the same world size, algorithm, topology and model: anything else is the
-    same one-line error on every rank. Tensors land on the device of ``algo``'s parameters.
+    The checkpoint must come from the same world size, algorithm and model (parameter names and shapes,
+    frozen ones and buffers), and ``algo`` must have the checkpoint's topology, options (``lr`` and the
+    algorithm's own, as given to ``wrap``) and optimizer (type and parameter groups' options but the lr):
+    anything else is the same one-line error on every rank, listing each difference. The current lr (a
+    scheduler's) comes from the checkpoint. Tensors land on the device of ``algo``'s parameters.
     """
     from pathlib import Path
 
     from .checkpoint import latest_checkpoint, load_checkpoint, map_location, restore_rng_state
+    from .checkpoint.compatibility import settings_differences, signature_mismatch
+    from .comm import raise_together
 
     where = Path(path)
     if where.is_dir() and not (where / "checkpoint.h5").exists():
         where = latest_checkpoint(where) or where
-    expect = {"algorithm": {"name": algo.name}, "model_signature": repr(algo.flat.signature())}
-    state, meta = load_checkpoint(where, algo.comm, expect=expect)
+    state, meta = load_checkpoint(where, algo.comm, expect={"algorithm": {"name": algo.name}})
+    problem = signature_mismatch(str(meta.get("model_signature", "")), repr(algo.flat.signature()))
+    differ = settings_differences(meta, algo)
+    saved_buffers, buffers = state["buffers"], dict(algo.model.named_buffers())
+    if not problem and differ:
+        problem = ("this job's settings differ from those it was saved with: " +
+                   ", ".join(f"{key}={now!r} (the checkpoint's: {then!r})" for key, now, then in differ) +
+                   "; wrap with the checkpoint's settings to continue it")
+    if not problem and set(saved_buffers) != set(buffers):
+        problem = f"its buffers {sorted(saved_buffers)} are not the model's {sorted(buffers)}"
+    raise_together(algo.comm, ValueError(f"cannot restore {where}: {problem}") if problem else None)
     device = algo.flat.data.device
     state = map_location(state, device)
     algo.load_state_dict(state["algorithm"])
-    buffers = dict(algo.model.named_buffers())
-    for name, value in state["buffers"].items():
-        buffers[name].copy_(value)
+    with torch.no_grad():
+        for name, value in state["buffers"].items():
+            buffers[name].copy_(value)
     restore_rng_state(state["rng"], device)
     return int(meta["step"]), state.get("extra", {})

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Agreed", "TrainingStopped", "agreed_of", "mark_agreed", "one_line"]
+__all__ = ["Agreed", "ScriptError", "TrainingStopped", "agreed_of", "mark_agreed", "one_line"]
 
 
 class TrainingStopped(RuntimeError):
     """Training cannot go on (a non-finite loss or parameter, a checkpoint that could not be written)."""
+
+
+class ScriptError(RuntimeError):
+    """A mistake in the user's training script that this rank found on its own, without asking the others.
+
+    Raised where a collective check would cost a message every step (a parameter re-homed after ``wrap``,
+    an ``optimizer.step()`` outside the algorithm's step). :func:`mpicomm.init`'s error handling ends the job
+    with one line and exit 2: one line from rank 0 when every rank raised it, else the line of each rank
+    that did.
+    """
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,12 @@
 Algorithms encode, send and update one vector per step instead of one tensor per layer. After
 ``FlatParameters(model)`` every trainable parameter's ``.data`` is a view into ``flat.data`` and its
 ``.grad`` a view into ``flat.grad``; ``layers`` keeps each parameter's (name, offset, shape) for
-per-layer codecs such as HSQ.
+per-layer codecs such as HSQ. The frozen parameters (``requires_grad=False``) are kept by name in
+``frozen``: not trained, but part of the model every rank must hold alike.
+
+Which parameters are trained is fixed here: :meth:`FlatParameters.model_problem` says when the model no
+longer matches (a parameter re-homed by ``model.to(...)`` or ``p.data = ...``, replaced, frozen or
+unfrozen), so that such a parameter is never silently left out of training.
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlatParameters", "Layer"]
+__all__ = ["TRAINABLE_DTYPES", "FlatParameters", "Layer"]
+
+TRAINABLE_DTYPES = (torch.float32, torch.float64)
+"""What the flat buffer holds: the codecs' scales, the error buffers and the MPI reductions are full precision."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,8 @@ class FlatParameters:
     """Re-home a model's trainable parameters into one contiguous buffer (``data``) and gradient (``grad``)."""
 
     def __init__(self, model: torch.nn.Module):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        everything = list(model.named_parameters())
+        named = [(n, p) for n, p in everything if p.requires_grad]
         if not named:
             raise ValueError("model has no trainable parameters (requires_grad=True); nothing to train")
         dtypes = {p.dtype for _, p in named}
@@ -47,7 +56,15 @@ class FlatParameters:
                 f"all trainable parameters must share one dtype and device to be flattened; "
                 f"got dtypes {sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}"
             )
+        (dtype,) = dtypes
+        if dtype not in TRAINABLE_DTYPES:
+            raise ValueError(
+                f"the model's trainable parameters are {dtype}; mpicomm trains float32 (or float64) parameters: "
+                "keep the model in float32 and compute in half precision under torch.autocast (the apps' "
+                "--precision bf16 / fp16), instead of converting the model with .half() / .to(dtype)")
         self.params = [p for _, p in named]
+        self.frozen: dict[str, torch.nn.Parameter] = {n: p for n, p in everything if not p.requires_grad}
+        self._identity = tuple(id(p) for _, p in everything)
         self.layers: list[Layer] = []
         offset = 0
         for name, p in named:
@@ -107,11 +124,29 @@ class FlatParameters:
             for p, layer in zip(self.params, self.layers):
                 p.data = self.data[layer.offset:layer.offset + layer.numel].view(layer.shape)
 
-    def check_data_views(self) -> None:
-        """Raise if a parameter's ``.data`` no longer lives in the flat buffer (someone re-assigned it)."""
+    def model_problem(self, model: torch.nn.Module) -> str:
+        """Why ``model`` no longer matches what was flattened, or ``""``; cheap enough for every step.
+
+        A trainable parameter must still be a view of ``data`` and still require a gradient, a frozen one
+        must still be frozen, and the model must hold the very Parameter objects it held (not new ones from
+        a replaced layer, ``load_state_dict(assign=True)`` or ``to_empty``).
+        """
         for p, layer in zip(self.params, self.layers):
-            if p.data_ptr() != self.data[layer.offset:].data_ptr():
-                raise RuntimeError(
-                    f"parameter {layer.name!r} was re-assigned and is no longer a view of the flat buffer; "
-                    "update parameters in place (param.data.copy_ / optimizer steps) after wrapping the model"
-                )
+            if p.data_ptr() != self.data[layer.offset:].data_ptr() or p.shape != layer.shape:
+                return (f"parameter {layer.name!r} no longer lives in the buffer mpicomm.wrap made (it was re-homed "
+                        "after wrap, e.g. by model.to(device / dtype / memory_format=...), p.data = ... or "
+                        "load_state_dict(assign=True)), so it would not be trained: move and load the model "
+                        "before mpicomm.wrap, and afterwards change parameters in place (p.data.copy_(...))")
+            if not p.requires_grad:
+                return (f"parameter {layer.name!r} was frozen (requires_grad=False) after mpicomm.wrap; the "
+                        "trained parameters are fixed at wrap: freeze it before mpicomm.wrap, or wrap again")
+        for name, p in self.frozen.items():
+            if p.requires_grad:
+                return (f"parameter {name!r} was unfrozen (requires_grad=True) after mpicomm.wrap, so it would not "
+                        "be trained; the trained parameters are fixed at wrap: unfreeze it before mpicomm.wrap, "
+                        "or wrap again")
+        if tuple(id(p) for p in model.parameters()) != self._identity:
+            return ("the model's parameters were replaced after mpicomm.wrap (a layer swapped, "
+                    "load_state_dict(assign=True), to_empty), so the new ones would not be trained: build and load "
+                    "the model completely before mpicomm.wrap, or wrap again")
+        return ""

@@ -31,6 +31,13 @@ built with ``overlap=True``; see :meth:`Algorithm.begin_step`)::
 An algorithm owns a :class:`~mpicomm.flat.FlatParameters` (parameters as views of one buffer), talks to
 the network only through the :class:`~mpicomm.comm.Communicator` it is given, and keeps everything it
 needs to continue bit-exactly in ``state_dict()``.
+
+It keeps the whole model in step, as DDP does: at construction every rank gets rank 0's parameters,
+frozen ones included, and rank 0's buffers (``broadcast_init``); the frozen parameters are checkpointed.
+Which parameters are trained is fixed then: every :meth:`Algorithm.step` checks (cheaply) that the model
+still holds them where they were put, and ends the job with one line if one was re-homed, replaced,
+frozen or unfrozen. Wrapping the same model again retires the earlier algorithm (its hooks are removed;
+using it is one line), so the newest wrap is the one that trains.
 """
 
 from __future__ import annotations
@@ -39,13 +46,14 @@ import abc
 import contextlib
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..comm import Communicator, raise_together
-from ..errors import mark_agreed
+from ..errors import ScriptError
 from ..flat import FlatParameters
 
 __all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
@@ -72,6 +80,9 @@ def check_bool(name: str, value) -> None:
     """ValueError naming ``name`` unless ``value`` is a bool."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every algorithm built in this process and not retired
 
 
 def clone_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -146,6 +157,10 @@ class Algorithm(abc.ABC):
         self.comm = comm
         self.config = config
         self.flat = FlatParameters(model)
+        self._hooks: list = []  # what this algorithm installed on the model and optimizer (removed when retired)
+        self._retired = False
+        self._retire_earlier_wraps()
+        self._calls = 0  # step() calls, micro-batches included (what a user loop counts)
         self.step_count = 0
         self.user_optimizer = False
         self.lr = config.lr
@@ -162,7 +177,61 @@ class Algorithm(abc.ABC):
         self._check_same_everywhere()
         if config.broadcast_init:
             self.comm.bcast(self.flat.data, root=0)
+            self._broadcast_kept_alike()
             self.comm.ledger.reset()
+
+    # ------------------------------------------------------------------ the model every rank holds alike
+    def _kept_alike(self) -> list[tuple[str, torch.Tensor]]:
+        """The frozen parameters and the buffers, by name: not trained, but equal on every rank from the start."""
+        return [*(("parameter " + n, p) for n, p in self.flat.frozen.items()),
+                *(("buffer " + n, b) for n, b in self.model.named_buffers())]
+
+    def _broadcast_kept_alike(self) -> None:
+        """Collective: rank 0's frozen parameters and buffers on every rank (as DDP broadcasts buffers), in one
+        message of their bytes."""
+        tensors = [t for _, t in self._kept_alike()]
+        if not tensors:
+            return
+        device = self.flat.data.device
+        packed = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(device) for t in tensors])
+        self.comm.bcast(packed, root=0)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                size = t.numel() * t.element_size()
+                t.copy_(packed[offset:offset + size].clone().view(t.dtype).view(t.shape))
+                offset += size
+
+    def _retire_earlier_wraps(self) -> None:
+        """Retire every earlier algorithm that trains any of this model's parameters (the model was wrapped again)."""
+        mine = {id(p) for p in self.flat.params}
+        for other in list(_LIVE):
+            if any(id(p) in mine for p in other.flat.params):
+                other.retire()
+        _LIVE.add(self)
+
+    def retire(self) -> None:
+        """Stop being the model's algorithm (the model was wrapped again): remove this algorithm's hooks; from
+        now on using it raises one line naming the newer wrap."""
+        self._retired = True
+        _LIVE.discard(self)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def keep_hook(self, handle) -> None:
+        """Record a hook this algorithm installed on the model or optimizer (removed by :meth:`retire`)."""
+        self._hooks.append(handle)
+
+    def check_model(self, what: str = "step()") -> None:
+        """Raise :class:`~mpicomm.errors.ScriptError` if this algorithm was retired or the model no longer holds its
+        parameters where ``wrap`` put them (see :meth:`mpicomm.flat.FlatParameters.model_problem`)."""
+        if self._retired:
+            raise ScriptError(f"{self.name}.{what} was called after the same model was wrapped again: the "
+                              "newest mpicomm.wrap(...) trains the model; use the algorithm it returned")
+        problem = self.flat.model_problem(self.model)
+        if problem:
+            raise ScriptError(f"{self.name}.{what}: {problem}")
 
     @classmethod
     def check_communicator(cls, config: AlgorithmConfig, comm: Communicator) -> None:
@@ -181,7 +250,8 @@ class Algorithm(abc.ABC):
     # ------------------------------------------------------------------ construction checks
     def _check_same_everywhere(self) -> None:
         """Collective: every rank must wrap the same architecture with the same config."""
-        mine = (self.flat.signature(), repr(self.config))
+        kept = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in self._kept_alike())
+        mine = (self.flat.signature(), repr(self.config), kept)
         first = self.comm.bcast_object(mine, 0, "the check that every rank built the same model and config")
         error = None
         if mine[0] != first[0]:
@@ -189,6 +259,11 @@ class Algorithm(abc.ABC):
                 f"model mismatch: this rank has {mine[0][0]} parameters in {len(mine[0][1])} tensors, "
                 f"rank 0 has {first[0][0]} in {len(first[0][1])}; every rank must build the same model"
             )
+        elif mine[2] != first[2]:
+            differ = sorted(set(mine[2]) ^ set(first[2]))[:3]
+            error = ValueError(f"model mismatch: this rank's frozen parameters and buffers differ from rank 0's "
+                               f"(e.g. {', '.join(f'{n} {list(s)} {d}' for n, s, d in differ)}); every rank must "
+                               "build the same model and freeze the same parameters")
         elif mine[1] != first[1]:
             error = ValueError(f"config mismatch: this rank has {mine[1]}, rank 0 has {first[1]}")
         raise_together(self.comm, error)
@@ -238,24 +313,28 @@ class Algorithm(abc.ABC):
             f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
         self.optimizer = optimizer
         self.user_optimizer = True
-        optimizer.register_step_pre_hook(self._refuse_outside_step)
+        self.keep_hook(optimizer.register_step_pre_hook(self._refuse_outside_step))
 
     def _refuse_outside_step(self, optimizer, args, kwargs) -> None:
         """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice."""
         if not self._stepping:
-            message = (f"optimizer.step() was called outside {self.name}'s step(): the algorithm steps your "
-                       "optimizer itself, inside algo.step() (after communicating); remove the optimizer.step() "
-                       "call, or the model would be updated twice")
-            raise mark_agreed(RuntimeError(message), message, range(self.comm.size), self.comm.size)
+            raise ScriptError(f"optimizer.step() was called outside {self.name}'s step(): the algorithm steps "
+                              "your optimizer itself, inside algo.step() (after communicating); remove the "
+                              "optimizer.step() call, or the model would be updated twice")
 
     def _check_user_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook: raise ``ValueError`` if this configuration cannot use ``optimizer`` (nothing here)."""
 
     def _check_optimizer_params(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raise ``ValueError`` unless ``optimizer`` holds each trainable parameter of the model exactly once."""
+        """Raise ``ValueError`` unless ``optimizer`` holds each trainable parameter of the model exactly once.
+
+        It may also hold the model's frozen parameters (an optimizer built over ``model.parameters()``): they
+        never get a gradient, so torch's optimizers skip them.
+        """
         names = {id(p): layer.name for p, layer in zip(self.flat.params, self.flat.layers)}
+        frozen = {id(p) for p in self.flat.frozen.values()}
         held = [id(p) for g in optimizer.param_groups for p in g["params"]]
-        foreign = sum(1 for i in held if i not in names)
+        foreign = sum(1 for i in held if i not in names and i not in frozen)
         twice = len(held) - len(set(held))
         missing = [names[i] for i in names if i not in set(held)]
         if foreign or twice or missing:
@@ -352,6 +431,7 @@ class Algorithm(abc.ABC):
         """
         if self._begun:
             return
+        self.check_model("begin_step()")
         self._begun = True
         start = self.comm.ledger.totals()
         self._pending = self._begin_exchange()
@@ -390,7 +470,9 @@ class Algorithm(abc.ABC):
             if module.training and torch.is_grad_enabled():
                 self.begin_step()
 
-        return model.register_forward_pre_hook(hook)
+        handle = model.register_forward_pre_hook(hook)
+        self.keep_hook(handle)
+        return handle
 
     # ------------------------------------------------------------------ the training-loop surface
     def zero_grad(self) -> None:
@@ -402,7 +484,22 @@ class Algorithm(abc.ABC):
         """Consume the gradients of the last backward pass: communicate and update the parameters.
 
         With :meth:`accumulate` (n) only every n-th call does so; the others just count the micro-batch.
+        Each call first checks that the model still holds the parameters ``wrap`` flattened
+        (:meth:`check_model`). In a loop of the user's own (no app loop naming the step), the hang guard's
+        message names this call's number.
         """
+        self.check_model()
+        self._calls += 1
+        guard = getattr(self.comm, "guard", None)
+        if guard is None or guard.step is not None:
+            self._count_or_update()
+            return
+        with guard.doing(f"{self.name}.step() call {self._calls} of this rank's loop, after {self.step_count} "
+                         "update(s)"):
+            self._count_or_update()
+
+    def _count_or_update(self) -> None:
+        """Count the micro-batch; at the last one, communicate and update (the body of :meth:`step`)."""
         self._micro += 1
         if self._micro < self.accumulation:
             return
@@ -519,13 +616,14 @@ class Algorithm(abc.ABC):
         """
         if buffers not in ("average", "own"):
             raise ValueError(f"averaged_model: buffers must be 'average' or 'own', got {buffers!r}")
+        self.check_model("averaged_model()")
         self._refuse_in_flight("averaged_model() was entered")
         saved = self.flat.data.clone()
         floating = [b for b in self.model.buffers() if b.is_floating_point()] if buffers == "average" else []
         kept = [b.clone() for b in floating]
         self.flat.data.copy_(self.consensus_model())
-        for b in floating:
-            b.copy_(self.comm.allreduce(b.detach().clone()).div_(self.comm.size))
+        for b in floating:  # summed in float64 whatever the buffer's dtype (MPI reduces no half precision)
+            b.copy_(self.comm.allreduce(b.detach().to(torch.float64)).div_(self.comm.size))
         try:
             yield self.model
         finally:
@@ -557,6 +655,7 @@ class Algorithm(abc.ABC):
 
         Between steps only: with an exchange in flight (:meth:`begin_step`) it raises ``RuntimeError``.
         """
+        self.check_model("state_dict()")
         self._refuse_in_flight("state_dict() was called")
         return {
             "algorithm": self.name,
@@ -564,18 +663,27 @@ class Algorithm(abc.ABC):
             "step": self.step_count,
             "lr": self.lr,
             "params": self.flat.data.detach().clone(),
+            "frozen": {name: p.detach().clone() for name, p in self.flat.frozen.items()},
             "extra": self._extra_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (on a freshly built algorithm of the same kind)."""
+        self.check_model("load_state_dict()")
         self._refuse_in_flight("load_state_dict() was called")
         if state.get("algorithm") != self.name:
             raise ValueError(f"state is for algorithm {state.get('algorithm')!r}, this is {self.name!r}")
         params = state["params"]
         if params.numel() != self.flat.numel:
             raise ValueError(f"state holds {params.numel()} parameters, the model has {self.flat.numel}")
+        frozen = state.get("frozen", {})  # absent from checkpoints written before frozen parameters were kept
+        if frozen and set(frozen) != set(self.flat.frozen):
+            raise ValueError(f"state holds frozen parameters {sorted(frozen)}, the model's are "
+                             f"{sorted(self.flat.frozen)}")
         self.flat.data.copy_(params)
+        with torch.no_grad():
+            for name, value in frozen.items():
+                self.flat.frozen[name].copy_(value)
         self.step_count = int(state["step"])
         self.lr = float(state["lr"])
         self._load_extra_state(state["extra"])

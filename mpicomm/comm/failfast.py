@@ -8,10 +8,15 @@ Two tools, for two situations:
 * :func:`raise_together` is for errors every rank can reach the same point with (bad configuration,
   mismatched models): each rank passes its local error or ``None``; every rank then raises the same
   error, naming the first failing rank, and nobody is left waiting.
+
+A third, for the errors a rank finds on its own (:class:`~mpicomm.errors.ScriptError`, a mistake in the
+user's loop): :func:`settle_local_error` waits briefly for the other ranks to report one too. If they all
+do, rank 0 prints one line; if not, each failing rank prints its own, so no message is ever lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -22,12 +27,18 @@ from mpi4py import MPI
 
 from ..errors import mark_agreed
 
-__all__ = ["ABORT_GRACE_S", "abort_on_exception", "raise_together"]
+__all__ = ["ABORT_GRACE_S", "SETTLE_S", "abort_on_exception", "prepare_local_errors", "raise_together",
+           "settle_local_error"]
 
 ABORT_GRACE_S = 1.0
 """Seconds between printing a rank's error and ``MPI_Abort``. The message is in the pipe to the launcher's
 proxy once flushed, but the abort tears the proxies down, and without a pause the text was sometimes lost
 (a 3-rank job's stderr came back empty in 1 of about 12 test-suite runs)."""
+
+SETTLE_S = 3.0
+"""Seconds :func:`settle_local_error` waits for every rank to report an error of its own."""
+
+_LOCAL_ERRORS = None  # a duplicate of the world, used by settle_local_error alone (its barrier matches nothing else)
 
 
 def _abort(comm, code: int) -> None:
@@ -77,3 +88,44 @@ def raise_together(comm, error: BaseException | None, exc_type: type[BaseExcepti
         cls = exc_type or (TypeError if name == "TypeError" else ValueError)
         exc = cls(f"rank {failed[0]}: {name}: {text}")
         raise mark_agreed(exc, text, failed, len(messages)) from error
+
+
+def prepare_local_errors(comm) -> None:
+    """Collective, once per process: the communicator :func:`settle_local_error` agrees on (a duplicate of
+    ``comm``, freed before MPI is finalized)."""
+    global _LOCAL_ERRORS
+    if _LOCAL_ERRORS is None:
+        _LOCAL_ERRORS = comm.Dup()
+        atexit.register(_free_local_errors)  # runs before mpi4py's finalize, registered at its import
+
+
+def _free_local_errors() -> None:
+    global _LOCAL_ERRORS
+    if _LOCAL_ERRORS is not None and not MPI.Is_finalized():
+        _LOCAL_ERRORS.Free()
+    _LOCAL_ERRORS = None
+
+
+def settle_local_error(message: str, wait_s: float = SETTLE_S) -> tuple[str, bool]:
+    """``(line, everyone)``: what this rank prints for its own error ``message`` ("" for nothing).
+
+    Waits up to ``wait_s`` for every rank to call this too (an error every rank's script makes alike). Then
+    rank 0 alone gets the line and ``everyone`` is true. Otherwise this rank's line names it. Without
+    :func:`prepare_local_errors` (or in a 1-rank job) the line is this rank's at once.
+    """
+    comm = _LOCAL_ERRORS
+    rank = MPI.COMM_WORLD.Get_rank()
+    if comm is None or comm.Get_size() == 1:
+        return (message if rank == 0 and MPI.COMM_WORLD.Get_size() == 1 else f"rank {rank}: {message}"), False
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + wait_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return f"rank {rank}: {message}", False
+        time.sleep(0.01)
+    messages = comm.allgather(message)
+    if rank != 0:
+        return "", True
+    if all(m == messages[0] for m in messages):
+        return messages[0], True
+    return f"rank 0: {messages[0]} (every rank failed; the others' errors differ)", True

@@ -31,7 +31,7 @@ import threading
 import time
 
 __all__ = ["DEFAULT_HANG_TIMEOUT_S", "EXIT_HUNG", "SIGNAL_GRACE_S", "WaitGuard", "hang_timeout_from_env",
-           "process_guard"]
+           "process_guard", "signal_grace_from_env"]
 
 EXIT_HUNG = 4
 DEFAULT_HANG_TIMEOUT_S = 600.0
@@ -61,6 +61,11 @@ def hang_timeout_from_env(default: float = DEFAULT_HANG_TIMEOUT_S) -> float:
     return _seconds_from_env("MPICOMM_HANG_TIMEOUT", default)
 
 
+def signal_grace_from_env(default: float = SIGNAL_GRACE_S) -> float:
+    """``MPICOMM_SIGNAL_GRACE`` in seconds, else ``default``."""
+    return _seconds_from_env("MPICOMM_SIGNAL_GRACE", default)
+
+
 class WaitGuard:
     """Watches this process's blocking waits; see the module docstring. One per process (:func:`process_guard`)."""
 
@@ -68,7 +73,7 @@ class WaitGuard:
         self._abort = abort  # abort(code): end every rank (MPI_Abort on the world)
         self.rank = 0
         self.timeout_s = hang_timeout_from_env()
-        self.signal_grace_s = _seconds_from_env("MPICOMM_SIGNAL_GRACE", SIGNAL_GRACE_S)
+        self.signal_grace_s = signal_grace_from_env()
         self._step: int | None = None
         self._step_began = 0.0
         self.longest_step_s = 0.0
@@ -157,7 +162,10 @@ class WaitGuard:
 
     def _where(self, what: str) -> str:
         doing = f" ({self.activity})" if self.activity else ""
-        step = f" at step {self.step}" if self.step is not None else " before training"
+        if self.step is not None:
+            step = f" at step {self.step}"
+        else:  # outside an app's loop: the activity (a user loop's algo.step() call) says where, if anything
+            step = "" if self.activity else " before training"
         return f"{what}{doing}{step}"
 
     def _check(self, now: float) -> None:

@@ -35,27 +35,31 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def select_device(spec: str, local_rank: int, device_count: int | None = None) -> torch.device:
+def select_device(spec: str, local_rank: int, device_count: int | None = None, *,
+                  named: str = "--device {}") -> torch.device:
     """The device ``spec`` names for the rank with node-local index ``local_rank``.
 
     ``device_count`` is the number of CUDA devices visible (None: ask torch); ``ValueError`` for a
-    malformed spec, ``cuda`` without CUDA, or ``cuda:N`` beyond the visible devices.
+    malformed spec, ``cuda`` without CUDA, or ``cuda:N`` beyond the visible devices. ``named``: how the
+    caller's user wrote the setting, ``{}`` standing for its value (the apps' flag; the library's
+    ``device='{}'``).
     """
     m = _SPEC.match(spec) if isinstance(spec, str) else None
     if m is None or (m.group(2) is not None and m.group(1) != "cuda"):
-        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {spec!r}")
+        raise ValueError(f"{named.format(spec)}: expected auto, cpu, cuda or cuda:N, got {spec!r}")
     kind, index = m.group(1), m.group(2)
     count = cuda_device_count() if device_count is None else device_count
     if kind == "cpu" or (kind == "auto" and count == 0):
         return torch.device("cpu")
     if count == 0:
-        raise ValueError(f"--device {spec}: CUDA is not available on {socket.gethostname()} (torch "
+        raise ValueError(f"{named.format(spec)}: CUDA is not available on {socket.gethostname()} (torch "
                          f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}, no GPU visible); "
-                         "use --device cpu or --device auto")
+                         f"use {named.format('cpu')} or {named.format('auto')}")
     if index is None:
         return torch.device("cuda", local_rank % count)
     if int(index) >= count:
-        raise ValueError(f"--device {spec}: this process sees {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+        raise ValueError(f"{named.format(spec)}: this process sees {count} CUDA device(s) "
+                         f"(cuda:0..cuda:{count - 1})")
     return torch.device("cuda", int(index))
 
 

@@ -116,9 +116,9 @@ class GradBuckets:
         self.waiting = list(self.size)
         self.ready = [False] * len(algo.flat.params)
         self.first_launch: dict | None = None  # ledger totals before the first launch of this step
-        for index, param in enumerate(algo.flat.params):
-            param.register_hook(functools.partial(self._check_first, index))
-            param.register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+        for index, param in enumerate(algo.flat.params):  # the algorithm removes them if the model is wrapped again
+            algo.keep_hook(param.register_hook(functools.partial(self._check_first, index)))
+            algo.keep_hook(param.register_post_accumulate_grad_hook(functools.partial(self._ready, index)))
 
     def _check_first(self, index: int, grad: torch.Tensor) -> None:
         """Hook before accumulation: refuse a second gradient for a parameter whose bucket may be in flight."""
