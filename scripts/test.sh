@@ -51,7 +51,8 @@ tier serial python -m pytest -q -n 2 --dist worksteal "$@"
 # distinct neighbours. 1 rank: neither those nor the examples (which run once, at 2 ranks). 3 ranks, an odd
 # count: the files where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven
 # chunks of the 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums,
-# unequal node layouts, the collectives and the checkpoint of an odd world. The decentralized methods see no
+# unequal node layouts, the collectives and the checkpoint of an odd world, a user's script where one rank of
+# three differs (that file skips itself at 1 and 4 ranks). The decentralized methods see no
 # new case at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the
 # serial topology tests). Test files named on the command line replace ODD_COUNT at 3 ranks.
 SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_optimizer_mpi.py
@@ -59,7 +60,7 @@ SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_op
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
-           tests/test_net_mpi.py tests/test_choco_sums_mpi.py)
+           tests/test_net_mpi.py tests/test_choco_sums_mpi.py tests/test_user_script_mpi.py)
 named=0; for arg in "$@"; do [[ $arg == tests/* ]] && named=1; done
 for n in 1 2 3 4; do
   only=()

@@ -19,6 +19,13 @@ from .conftest import run_all
 pytestmark = pytest.mark.mpi
 
 
+@pytest.fixture(autouse=True)
+def _at_two_and_three_ranks(comm):
+    """Runs in the 2- and 3-rank tiers: a pair, and an odd world where one rank can differ from two."""
+    if comm.Get_size() not in (2, 3):
+        pytest.skip("runs at 2 and 3 ranks")
+
+
 def _model(rank: int, frozen: bool = True) -> torch.nn.Sequential:
     """A small net built differently on every rank (seeded by rank), its first layer frozen, BatchNorm statistics
     set to the rank."""
