@@ -21,19 +21,15 @@ Collective calls use the communicator only for ``allgather`` of small Python obj
 from __future__ import annotations
 
 import builtins
-import contextlib
 import dataclasses
 import datetime
 import errno
-import gc
 import importlib.metadata
-import io
 import json
 import os
 import platform
 import re
 import shutil
-import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -56,6 +52,7 @@ FORMAT = "mpicomm-checkpoint/1"
 _STEP_DIR = re.compile(r"step-(\d{9,})")
 _RESERVED = ("world_size", "step", "time", "versions")
 _IDENTITY = ("rank", "world_size", "step", "save_id")
+_HELD_BYTES = 64 << 20  # what a failed HDF5 file keeps in memory after its failed write, at most
 
 
 def _step_name(step: int) -> str:
@@ -240,50 +237,116 @@ def _prepare(root: Path, final: Path, tmp: Path) -> str:
     return uuid.uuid4().hex
 
 
-def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
-    """Write and fsync one rank's file; a failed write raises one ``OSError`` naming ``path`` and the cause.
+class _Sink:
+    """A file for h5py's file-object driver that never reports a failed write to HDF5.
 
-    When the disk fills up, HDF5 reports the failed writes while h5py's objects are freed, as a stream of
-    "Exception ignored" tracebacks; they are collected here instead and turned into that one error.
+    HDF5 does not survive an I/O error in the middle of a file: the dataset whose flush failed stays
+    half-closed in the library's table of open objects, and the library's own clean-up at process exit
+    (``H5_term_library``) then crashes on it (SIGSEGV, after the run's last line). So this object writes
+    ``path`` itself; once a write fails it keeps the error in ``error``, and what HDF5 writes after it in
+    memory (read back from there), so that HDF5 completes and closes the file as if nothing had happened.
+    The caller then raises ``error`` and removes the file. Memory is bounded: past ``_HELD_BYTES`` kept,
+    later writes are dropped (read back as zeros). HDF5 reads back nothing of a file it writes front to
+    back as the store does, unless its metadata cache overflows, so that is a margin, not a need.
     """
-    caught: list[BaseException] = []
-    printed = io.StringIO()  # h5py's Cython code also prints each of those tracebacks itself
-    previous = sys.unraisablehook
-    sys.unraisablehook = lambda report: caught.append(report.exc_value)
-    try:
-        with contextlib.redirect_stderr(printed):
-            gc.freeze()  # so that the collection below walks only what this write created, not the whole heap
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.pos = self.size = 0
+        self.error: OSError | None = None
+        self._held: list[tuple[int, bytes]] = []  # (offset, data) written after the error, in order
+        self._held_bytes = 0
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move to ``offset`` (from the start, the current position or the end)."""
+        self.pos = offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        """The current position."""
+        return self.pos
+
+    def write(self, data) -> int:
+        """Write ``data`` at the current position: to the file, or to memory once a write has failed."""
+        view = memoryview(data).cast("B")
+        if self.error is None:
             try:
-                with h5py.File(path, "w", libver=LIBVER) as f:
-                    write_tree(f.create_group(_rank_group(identity["rank"])), state)
-                    for key, value in identity.items():
-                        f.attrs[f"mpicomm_{key}"] = value
-                    f.flush()
-            finally:
-                gc.collect()  # free h5py's objects now, while their errors are still collected
-                gc.unfreeze()
-    except Exception as exc:
-        cause = _write_error(path, [exc, *caught])
-        if cause is exc:
-            raise
-        raise cause from exc
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(self.fd, view[done:], self.pos + done)
+            except OSError as exc:
+                self.error = exc
+        if self.error is not None and self._held_bytes + len(view) <= _HELD_BYTES:
+            self._held.append((self.pos, bytes(view)))
+            self._held_bytes += len(view)
+        self.pos += len(view)
+        self.size = max(self.size, self.pos)
+        return len(view)
+
+    def readinto(self, buffer) -> int:
+        """Read at the current position what was written there (zeros where nothing was)."""
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.size - self.pos))
+        got = os.pread(self.fd, n, self.pos) if n else b""
+        view[:len(got)] = got
+        view[len(got):n] = bytes(n - len(got))
+        for offset, data in self._held:
+            lo, hi = max(offset, self.pos), min(offset + len(data), self.pos + n)
+            if lo < hi:
+                view[lo - self.pos:hi - self.pos] = data[lo - offset:hi - offset]
+        self.pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes from the current position (all of the rest with -1)."""
+        buffer = bytearray(max(0, self.size - self.pos) if size < 0 else size)
+        return bytes(buffer[:self.readinto(buffer)])
+
+    def truncate(self, size: int) -> int:
+        """Set the file's size (HDF5's end of allocated space)."""
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as exc:
+                self.error = exc
+        self.size = size
+        return size
+
+    def flush(self) -> None:
+        """Nothing to do: writes go straight to the file (fsynced when complete)."""
+
+
+def _write_h5(path: Path, fill) -> None:
+    """Create the HDF5 file ``path`` with ``fill(file)``, then fsync it.
+
+    A write that fails (a full disk) raises one ``OSError`` naming ``path``, with its errno, after HDF5
+    has closed the file cleanly (:class:`_Sink`); the half-written file is removed.
+    """
+    sink = _Sink(path)
+    try:
+        with h5py.File(sink, "w", libver=LIBVER) as f:
+            fill(f)
+        if sink.error is None:
+            try:
+                os.fsync(sink.fd)
+            except OSError as exc:
+                sink.error = exc
     finally:
-        sys.unraisablehook = previous
-    if caught:
-        raise _write_error(path, caught)
-    sys.stderr.write(printed.getvalue())  # anything else printed meanwhile still reaches the user
-    _fsync(path)
+        os.close(sink.fd)
+    if sink.error is not None:
+        path.unlink(missing_ok=True)
+        code = sink.error.errno
+        raise OSError(code, os.strerror(code) if code else str(sink.error), str(path)) from sink.error
 
 
-def _write_error(path: Path, errors: list[BaseException]) -> BaseException:
-    """The OS error behind HDF5's reports of a failed write (``errno = N`` in their text), else the first error."""
-    for error in errors:
-        if isinstance(error, OSError) and error.errno:
-            return OSError(error.errno, os.strerror(error.errno), str(path))
-        found = re.search(r"errno = (\d+)", str(error))
-        if found and int(found.group(1)):
-            return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path))
-    return errors[0]
+def _write_rank_file(path: Path, state: dict, identity: dict) -> None:
+    """Write and fsync one rank's file; a failed write raises one ``OSError`` naming ``path`` and the cause."""
+    def fill(f: h5py.File) -> None:
+        write_tree(f.create_group(_rank_group(identity["rank"])), state)
+        for key, value in identity.items():
+            f.attrs[f"mpicomm_{key}"] = value
+
+    _write_h5(path, fill)
 
 
 def _state_nbytes(state) -> int:
@@ -311,15 +374,16 @@ def _commit(root: Path, tmp: Path, final: Path, meta: dict, size: int, step: int
     index = tmp / INDEX
     full = {"world_size": size, "step": step, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "versions": _versions(), **meta}
-    with h5py.File(index, "w", libver=LIBVER) as f:
+
+    def fill(f: h5py.File) -> None:
         f.attrs["format"] = FORMAT
         f.attrs["save_id"] = save_id
         write_tree(f.create_group("meta"), full)
         ranks = f.create_group("ranks")
         for rank in range(size):
             ranks[f"{rank:05d}"] = h5py.ExternalLink(_rank_name(rank), _rank_group(rank))
-        f.flush()
-    _fsync(index)
+
+    _write_h5(index, fill)
     _fsync(tmp)
     os.rename(tmp, final)
     _fsync(root)
