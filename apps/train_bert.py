@@ -46,6 +46,21 @@ def build_parser():
     return p
 
 
+def run_settings(args) -> dict:
+    """This app's options a run's trajectory depends on, by flag: a resume compares them with the checkpoint's.
+
+    ``--data`` and ``--tokenizer`` are paths and not compared (the files may move); ``--dataset`` counts
+    without ``--data``, ``--vocab-size`` without ``--tokenizer``; ``--eval-sequences`` only evaluates.
+    """
+    out = {"--preset": args.preset, "--seq-len": args.seq_len, "--batch-size": args.batch_size,
+           "--dropout": args.dropout}
+    if not args.data:
+        out["--dataset"] = args.dataset
+    if not args.tokenizer:
+        out["--vocab-size"] = args.vocab_size
+    return out
+
+
 def build_task(args, rank: int, size: int):
     """Corpus, tokenizer, model and batches for this rank."""
     return build_bert_task(args.preset, args.data or None, args.tokenizer or None, args.seq_len, args.batch_size,
@@ -55,7 +70,7 @@ def build_task(args, rank: int, size: int):
 
 def main(argv=None) -> int:
     """Parse, set up on every rank, train, and print the final summary on rank 0."""
-    return run_app("train_bert", build_parser(), build_task, argv,
+    return run_app("train_bert", build_parser(), build_task, argv, settings=run_settings,
                    preparing="reading the corpus, training the tokenizer and building BERT",
                    headline=("val_mlm_accuracy", "final masked-token accuracy of the averaged model"))
 

@@ -49,10 +49,23 @@ def build_parser():
     return p
 
 
+def dataset_of(args) -> str:
+    """The dataset the run trains on: ``--dataset``, else cifar10 with ``--data-dir``, else digits."""
+    return args.dataset or ("cifar10" if args.data_dir else "digits")
+
+
+def run_settings(args) -> dict:
+    """This app's options a run's trajectory depends on, by flag: a resume compares them with the checkpoint's.
+
+    ``--data-dir`` is a path and not compared (the archive may move); ``--eval-limit`` only evaluates.
+    """
+    return {"--dataset": dataset_of(args), "--model": args.model, "--norm": args.norm,
+            "--batch-size": args.batch_size, "--dirichlet-alpha": args.dirichlet_alpha, "--no-augment": args.no_augment}
+
+
 def build_task(args, rank: int, size: int) -> ImageTask:
     """Data and model for this rank."""
-    dataset = args.dataset or ("cifar10" if args.data_dir else "digits")
-    data = load_dataset(dataset, args.data_dir, seed=args.seed)
+    data = load_dataset(dataset_of(args), args.data_dir, seed=args.seed)
     model = build_model(args.model, data.num_classes, args.norm, seed=args.seed, in_channels=data.channels)
     return ImageTask(model, data, rank=rank, size=size, batch_size=args.batch_size, seed=args.seed,
                      dirichlet_alpha=args.dirichlet_alpha, augment_images=not args.no_augment,
@@ -61,7 +74,7 @@ def build_task(args, rank: int, size: int) -> ImageTask:
 
 def main(argv=None) -> int:
     """Parse, set up on every rank, train, and print the final summary on rank 0."""
-    return run_app("train_resnet", build_parser(), build_task, argv,
+    return run_app("train_resnet", build_parser(), build_task, argv, settings=run_settings,
                    headline=("test_accuracy", "final test accuracy of the averaged model"))
 
 

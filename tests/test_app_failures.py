@@ -87,7 +87,7 @@ def test_a_damaged_checkpoint_names_the_file_and_the_intact_earlier_one(saved_ru
     line = _one_error(proc)
     assert f"{damaged} is unreadable or corrupted" in line
     assert line.endswith(f"the earlier checkpoint step-000000002 is intact: --resume {run / 'step-000000002'}")
-    again = launch(2, "train_resnet.py", _args(6, run, "--resume", "step-000000002"))  # ... and it is
+    again = launch(2, "train_resnet.py", _args(4, run, "--resume", "step-000000002"))  # ... and it is
     assert again.returncode == 0, again.stderr[-3000:]
 
 

@@ -178,7 +178,8 @@ def test_toggling_no_decay_bias_norm_on_resume_is_one_line(comm, capsys, finishe
 
 
 def test_resume_names_a_short_step_and_refuses_a_position_past_the_run(comm, capsys, finished_run, tmp_path_factory):
-    """``--resume step-1`` means step-000000001; a checkpoint past --max-steps is refused in one line."""
+    """``--resume step-1`` means step-000000001; a --max-steps below the checkpoint's step is refused in one line
+    (for this cosine run as a changed length; a constant one: tests/test_app_resume_settings.py)."""
     out = _shared(comm, tmp_path_factory, "short-name")
     if comm.Get_rank() == 0:
         subprocess.run(["cp", "-r", finished_run + "/.", out], check=True)
@@ -189,7 +190,7 @@ def test_resume_names_a_short_step_and_refuses_a_position_past_the_run(comm, cap
     assert_all(comm, code == 0 and resumed[-1]["step"] == 1, f"exit {code}, resume events {resumed}")
     code, lines = _run(comm, capsys, [*RESNET, "--out-dir", out, "--resume", "latest", "--max-steps", "1"])
     line = _one_error(comm, lines)
-    assert_all(comm, code == 2 and (comm.Get_rank() != 0 or "is at step 2, beyond this run's 1 steps" in line), line)
+    assert_all(comm, code == 2 and (comm.Get_rank() != 0 or "--max-steps 1 (the checkpoint's: 2)" in line), line)
 
 
 def test_resuming_a_finished_run_reports_its_result(comm, capsys, finished_run):

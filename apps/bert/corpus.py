@@ -83,6 +83,9 @@ def load_documents(data: str | os.PathLike | None, dataset: str = "pydoc") -> li
             docs = [_read(f) for f in files] if len(files) > 1 else _paragraphs(_read(files[0]))
         elif path.is_file():
             docs = _paragraphs(_read(path))
+        elif path.exists():
+            raise ValueError(f"--data: {path} is neither a file nor a folder (a device, pipe or socket); "
+                             "expected a .txt file or a folder of .txt files")
         else:
             raise ValueError(f"--data: {path} does not exist (expected a .txt file or a folder of .txt files)")
     docs = [d for d in docs if d.strip()]

@@ -105,6 +105,9 @@ def load_cifar10(data_dir: str) -> ImageData:
         folder = os.path.join(data_dir, "cifar-10-batches-py")
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ValueError(f"--data-dir {data_dir!r} is not a folder; expected the CIFAR-10 python archive's "
+                         "(cifar-10-batches-py with data_batch_1..5 and test_batch)")
     if not os.path.isdir(data_dir) or missing:
         raise ValueError(
             f"--data-dir {data_dir!r}: expected the CIFAR-10 python archive (cifar-10-batches-py with "

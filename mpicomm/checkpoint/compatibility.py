@@ -40,7 +40,7 @@ def settings_differences(saved: dict, algo) -> list[tuple[str, object, object]]:
     """
     differ: list[tuple[str, object, object]] = []
     topology = saved.get("topology", {}).get("name")
-    schedule = getattr(algo.comm, "schedule", None)
+    schedule = getattr(getattr(algo, "comm", None), "schedule", None)
     if topology is not None and schedule is not None and str(topology) != schedule.name:
         differ.append(("topology", schedule.name, str(topology)))
     then = plain(dict(saved.get("algorithm", {}).get("config", {})))

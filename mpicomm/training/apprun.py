@@ -12,6 +12,10 @@ Exit status (the same on every rank):
 * 128 + N: stopped by signal N outside a requeueing job, after committing a checkpoint (or, when the
   signal found a rank blocked in a collective it could not leave, at once and without one).
 
+A resume compares the app's settings (``settings(args)``, the app's own flags, plus the shared ones of
+:func:`~.arguments.run_settings`) with those the checkpoint's run recorded in its ``start`` record, where
+``run_info["settings"]`` keeps them (:mod:`.resume`).
+
 Cases 2 and 3 are agreed by every rank, so rank 0 alone prints the one-line reason and no rank aborts.
 A run stopped by SIGUSR1/SIGTERM commits a checkpoint first; then, inside a SLURM job that asked for
 requeueing (``MPICOMM_REQUEUE=1``, set by the templates), rank 0 writes the marker file
@@ -28,9 +32,10 @@ import sys
 
 from ..comm import abort_on_exception, world
 from ..errors import TrainingStopped, agreed_of
-from .arguments import parse_app_args, setup_run
+from .arguments import OptionRefused, derived_options, parse_app_args, run_settings, setup_run
 from .console import Console
 from .loop import run_training
+from .resume import AppSettings, comparing_app_settings
 
 __all__ = ["EXIT_REFUSED", "EXIT_STOPPED", "REQUEUE_MARKER", "run_app"]
 
@@ -63,14 +68,21 @@ def _refused(console: Console, exc: BaseException) -> int | None:
 
 
 def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] = ("", ""),
-            preparing: str = "loading the data and building the model") -> int:
+            preparing: str = "loading the data and building the model", settings=None) -> int:
     """Run one training app; ``build_task(args, rank, size)`` returns its Task (model included).
 
     ``preparing`` says what the set-up does, printed before it starts (it can take a while).
+    ``settings(args)``: the app's own options its runs' trajectory depends on, by flag (``{"--batch-size":
+    32, …}``), which a resume compares with the checkpoint's run (a path such as ``--data`` is best left out:
+    the data may move).
     """
     console = Console(name)
-    with console.quiet_unless_rank0():
-        args = parse_app_args(parser, argv)
+    try:
+        with console.quiet_unless_rank0():
+            args = parse_app_args(parser, argv)
+    except OptionRefused as exc:
+        console.error(str(exc))
+        return EXIT_REFUSED
     console.route_warnings()
     mpi_comm = world()
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
@@ -85,19 +97,25 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
                 raise
             return code
         try:
-            return _train(name, console, task, algo, cfg, argv, headline)
+            app = AppSettings({**run_settings(args), **(settings(args) if settings else {})},
+                              cfg.total_steps(task.steps_per_epoch), cfg.lr_schedule, derived_options(args))
+            with comparing_app_settings(app):
+                return _train(name, console, task, algo, cfg, argv, headline, app.flags)
         finally:
             lock.release()
 
 
-def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str]) -> int:
-    """Train, print the final line, and return the exit status (see the module docstring)."""
+def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], settings: dict) -> int:
+    """Train, print the final line, and return the exit status (see the module docstring).
+
+    ``settings`` go into the run's ``start`` record: what a later resume compares with.
+    """
     size = algo.comm.size
     console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
                  f"{algo.comm.schedule.name} topology, {algo.flat.numel:,} parameters")
     try:
         summary = run_training(task, algo, cfg, console=console, run_info={
-            "app": name, "argv": sys.argv[1:] if argv is None else list(argv)})
+            "app": name, "argv": sys.argv[1:] if argv is None else list(argv), "settings": settings})
     except Exception as exc:
         code = _refused(console, exc)
         if code is None:

@@ -5,6 +5,8 @@
 parses in two passes so the chosen algorithm's own options
 (generated from its config dataclass) are accepted and shown in ``--help``; ``setup_run`` builds the
 communicator and the algorithm, turning any configuration error into the same message on every rank.
+``run_settings`` lists the shared options a run's trajectory depends on, which a resume compares
+(:mod:`.resume`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ from ..comm.guard import DEFAULT_HANG_TIMEOUT_S
 from ..net import NAMED, parse_net
 from .device import place, place_task
 from .loop import TrainConfig, agree_steps_per_epoch
-from .options import add_algorithm_options, config_kwargs, settle_app_defaults
+from .options import add_algorithm_options, config_kwargs, foreign_option, settle_app_defaults
 from .param_groups import app_optimizer
 from .precision import PRECISIONS
 from .rundir import RunLock, claim_out_dir
 from .tensorboard import require_tensorboard
 
-__all__ = ["app_parser", "fractions", "parse_app_args", "seed_everything", "setup_run", "train_config"]
+__all__ = ["OptionRefused", "app_parser", "derived_options", "fractions", "parse_app_args", "run_settings",
+           "seed_everything", "setup_run", "train_config"]
+
+
+class OptionRefused(ValueError):
+    """An option the command line cannot take, refused before anything starts (the app prints one line)."""
 
 
 def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
@@ -95,14 +102,43 @@ def fractions(text: str) -> tuple[float, ...]:
 
 
 def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse twice: first to learn ``--algorithm``, then with that algorithm's options added."""
+    """Parse twice: first to learn ``--algorithm``, then with that algorithm's options added.
+
+    An option of other algorithms that the chosen one lacks (``--overlap`` with ``dcd``) raises
+    :class:`OptionRefused` naming it, instead of argparse's usage block.
+    """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--algorithm", default=parser.get_default("algorithm"))
     known, _ = pre.parse_known_args(argv)
     add_algorithm_options(parser, known.algorithm)
+    typed = sys.argv[1:] if argv is None else list(argv)
+    problem = foreign_option(parser, known.algorithm, typed)
+    if problem:
+        raise OptionRefused(problem)
     args = parser.parse_args(argv)
-    settle_app_defaults(args, known.algorithm, sys.argv[1:] if argv is None else list(argv))
+    settle_app_defaults(args, known.algorithm, typed)
     return args
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The shared options a run's trajectory depends on, by flag (the app adds its own; see :mod:`.resume`).
+
+    The algorithm's options are compared apart, from its config. ``--milestones`` and ``--lr-gamma``
+    count only for the step schedule, which alone reads them.
+    """
+    out = {"--epochs": args.epochs, "--max-steps": args.max_steps, "--lr-schedule": args.lr_schedule,
+           "--lr-warmup-steps": args.lr_warmup_steps, "--accumulate": args.accumulate,
+           "--clip-grad-norm": args.clip_grad_norm, "--precision": args.precision}
+    if args.lr_schedule == "step":
+        out.update({"--milestones": list(args.milestones), "--lr-gamma": args.lr_gamma})
+    return out
+
+
+def derived_options(args: argparse.Namespace) -> frozenset:
+    """The algorithm's options the app fills in from the run's length because the user gave none
+    (APMSqueeze's ``total_steps``, the base of its warm-up fraction)."""
+    fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
+    return frozenset(name for name in ("total_steps",) if name in fields and getattr(args, name, None) is None)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -171,8 +207,7 @@ def _build(args, comm, cfg, device, build, console):
     steps_per_epoch = agree_steps_per_epoch(task, comm, console)
     raise_together(comm, _error_of(cfg.check_total, steps_per_epoch))
     options = config_kwargs(args, args.algorithm)
-    fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
-    if "total_steps" in fields and options.get("total_steps") is None:
+    if "total_steps" in derived_options(args):
         options["total_steps"] = cfg.total_steps(steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction
     optimizer = None
     if getattr(args, "no_decay_bias_norm", False):

@@ -14,8 +14,8 @@ import re
 
 from ..algorithms import ALGORITHMS
 
-__all__ = ["APP_DEFAULTS", "add_algorithm_options", "config_kwargs", "field_help", "key_values", "number_or_word",
-           "settle_app_defaults"]
+__all__ = ["APP_DEFAULTS", "add_algorithm_options", "config_kwargs", "field_help", "foreign_option", "key_values",
+           "number_or_word", "settle_app_defaults"]
 
 
 def number_or_word(text: str):
@@ -119,6 +119,36 @@ def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
         else:
             group.add_argument(flag, dest=field.name, type=_converter(field), default=default,
                                metavar=field.name.upper(), help=text.replace("%", "%%") or " ")
+
+
+def _flags(config_class) -> set[str]:
+    """The command-line flags :func:`add_algorithm_options` makes of ``config_class`` (``--no-X`` included)."""
+    out = set()
+    for field in dataclasses.fields(config_class):
+        flag = "--" + field.name.replace("_", "-")
+        out.add(flag)
+        if isinstance(_default(field), bool):
+            out.add("--no-" + flag[2:])
+    return out
+
+
+def foreign_option(parser: argparse.ArgumentParser, name: str, argv: list[str]) -> str:
+    """The refusal of the first flag in ``argv`` that only other algorithms take (``--overlap`` with ``dcd``),
+    naming those that take it; ``""`` when there is none (an unknown flag is left to argparse)."""
+    known = set(parser._option_string_actions)
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--") or flag in known:
+            continue
+        owners = sorted(other for other, cls in ALGORITHMS.items() if flag in _flags(cls.config_class))
+        if not owners:
+            continue
+        if flag == "--overlap":
+            return (f"{flag}: {name} cannot overlap its exchange with compute; the methods that can: "
+                    f"{', '.join(owners)}")
+        return f"{flag} is not an option of {name} (it is one of {', '.join(owners)}; --algorithm {name} --help " \
+               f"lists {name}'s)"
+    return ""
 
 
 def config_kwargs(args: argparse.Namespace, name: str) -> dict:

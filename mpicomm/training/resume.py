@@ -10,15 +10,25 @@ algorithm, topology or model — is refused with one error that every rank raise
 it once and exits 2). For a damaged checkpoint it names the newest earlier one that loads intact.
 
 A run resumes with the settings it was saved with, or not at all: when the algorithm's options
-(``--lr``, ``--momentum``, ``--weight-decay``, the method's own) or the optimizer's parameter groups
-(``--no-decay-bias-norm``, their weight decay and momentum) differ from the checkpoint's, the resume is
-refused with one line listing each difference — a checkpoint's optimizer state would otherwise silently
-override the options given, and the run would record values it does not use.
+(``--lr``, ``--momentum``, ``--weight-decay``, ``--seed``, the method's own) or the optimizer's parameter
+groups (``--no-decay-bias-norm``, their weight decay and momentum) differ from the checkpoint's, the resume
+is refused with one line listing each difference — a checkpoint's optimizer state would otherwise silently
+override the options given, and the run would record values it does not use. A model whose buffers differ
+from the checkpoint's (BatchNorm's running statistics against a model without them) is refused alike.
+
+An app also compares its own settings (:class:`AppSettings`, set around the run with
+:func:`comparing_app_settings`): everything else the trajectory depends on (data, batch size, the
+learning-rate schedule, accumulation, clipping, precision, …) by the flag that sets it, against what the
+run that saved the checkpoint recorded in the ``start`` record of its ``metrics.jsonl``. A setting the
+record lacks (a checkpoint of an earlier version, a run directory without its metrics) is not compared.
+The run's length (``--epochs``, ``--max-steps``) may change only where nothing depends on it: with
+``--lr-schedule constant`` and no algorithm option filled in from it (APMSqueeze's ``--total-steps``).
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
+import contextvars
 import dataclasses
 import json
 import re
@@ -28,12 +38,53 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, map_location
+from ..checkpoint.compatibility import plain, settings_differences, signature_mismatch
 from ..checkpoint.rng import restore_rng_state
-from ..checkpoint.store import optimizer_settings
 from ..checkpoint.tree import CheckpointError
 from ..errors import agreed_of, mark_agreed
 
-__all__ = ["Resumed", "resolve_resume", "restore_run"]
+__all__ = ["LENGTH_FLAGS", "LENGTH_FREE_SCHEDULES", "AppSettings", "Resumed", "comparing_app_settings",
+           "resolve_resume", "restore_run"]
+
+LENGTH_FLAGS = ("--epochs", "--max-steps")
+"""The flags that set a run's length: compared through the length itself (see :class:`AppSettings`)."""
+LENGTH_FREE_SCHEDULES = ("constant",)
+"""The learning-rate schedules that do not depend on the run's length (a warm-up is counted in steps)."""
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """What an app's run depends on besides the algorithm's options, compared on resume.
+
+    ``flags``: each setting by the flag that sets it, with its value (JSON: numbers, strings, booleans
+    for flags without a value, lists); the app records them in its metrics' ``start`` record.
+    ``total_steps``: this run's length in steps. ``schedule``: its ``--lr-schedule``. ``derived``: options
+    of the algorithm's config the app filled in from the run's length rather than the user
+    (APMSqueeze's ``total_steps``); they are compared as the run's length, not as typed flags.
+    """
+
+    flags: dict
+    total_steps: int
+    schedule: str
+    derived: frozenset = frozenset()
+
+
+_APP_SETTINGS: contextvars.ContextVar[AppSettings | None] = contextvars.ContextVar("app_settings", default=None)
+
+
+@contextlib.contextmanager
+def comparing_app_settings(settings: AppSettings | None):
+    """Within the block, :func:`restore_run` also compares ``settings`` with those the checkpoint's run recorded.
+
+    The training loop calls :func:`restore_run` knowing only the library's objects; an app, which knows
+    its own flags, sets them around :func:`~mpicomm.training.loop.run_training` (on every rank alike).
+    """
+    token = _APP_SETTINGS.set(settings)
+    try:
+        yield
+    finally:
+        _APP_SETTINGS.reset(token)
+
 
 @dataclass
 class Resumed:
@@ -78,8 +129,11 @@ def restore_run(path: Path, algo, expect: dict, meta: dict, precision) -> Resume
             raise
         damaged = isinstance(exc, CheckpointError) and Path(path).exists()
         raise _refusal(path, mark.message, algo, expect, damaged) from exc
-    problem = _signature_mismatch(str(saved.get("model_signature", "")), meta["model_signature"]) or \
-        _settings_mismatch(saved, algo)
+    app = _APP_SETTINGS.get()
+    recorded = _shared_record(path, saved, algo) if app is not None else None
+    problem = signature_mismatch(str(saved.get("model_signature", "")), meta["model_signature"]) or \
+        _settings_mismatch(saved, algo, app, recorded)
+    problem = problem or _agreed(algo, _buffers_mismatch(algo.model, state["buffers"]))
     if problem:
         raise _refusal(path, problem, algo, expect, damaged=False)
     device = algo.flat.data.device
@@ -105,10 +159,16 @@ def _refusal(path: Path, why: str, algo, expect: dict, damaged: bool) -> Checkpo
     return mark_agreed(exc, str(exc), range(size), size)
 
 
+def _run_directory(path: Path) -> tuple[Path, Path]:
+    """(the checkpoint directory ``path`` names, the run directory holding it): ``path`` may be either, or
+    the checkpoint's ``checkpoint.h5``."""
+    directory = path.parent if path.is_file() else path
+    return directory, directory.parent if directory.name.startswith("step-") else directory
+
+
 def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
     """Collective: the newest checkpoint older than ``path`` in its run directory that loads cleanly."""
-    directory = path.parent if path.is_file() else path
-    root = directory.parent if directory.name.startswith("step-") else directory
+    directory, root = _run_directory(path)
     older = [p for p in list_checkpoints(root) if p.resolve() != directory.resolve()]
     if directory.name.startswith("step-"):
         older = [p for p in older if p.name < directory.name]
@@ -122,60 +182,177 @@ def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
     return None
 
 
-def _signature_mismatch(stored: str, current: str) -> str:
-    """How the checkpoint's model differs from this one: the first parameter that differs, or ``""``.
-
-    Signatures are ``repr((numel, ((name, shape), ...)))`` (:meth:`mpicomm.flat.FlatParameters.signature`).
-    """
-    if stored == current:
-        return ""
-    try:
-        have, want = ast.literal_eval(stored)[1], ast.literal_eval(current)[1]
-    except (ValueError, SyntaxError, TypeError, IndexError):
-        return "its model differs from this job's"
-    for index, (a, b) in enumerate(zip(have, want)):
-        if tuple(a) != tuple(b):
-            return (f"its model differs at parameter {index}: the checkpoint has {a[0]} of shape {tuple(a[1])}, "
-                    f"this job's model has {b[0]} of shape {tuple(b[1])}")
-    return f"its model has {len(have)} parameter tensors, this job's model has {len(want)}"
-
-
-def _plain(value):
-    """``value`` with numpy scalars, arrays and tuples as Python numbers and lists (HDF5 returns numpy types)."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _settings_mismatch(saved: dict, algo) -> str:
-    """What of the algorithm's options and the optimizer's groups differs from the checkpoint's, or ``""``."""
-    differ = []
-    then = _plain(dict(saved.get("algorithm", {}).get("config", {})))
-    now = _plain(dataclasses.asdict(algo.config))
-    for key in sorted(set(then) & set(now)):
-        if then[key] != now[key]:
-            differ.append(f"--{key.replace('_', '-')} {now[key]!r} (the checkpoint's: {then[key]!r})")
-    stored = saved.get("optimizer")
-    if stored is not None:
-        old, new = json.loads(str(stored)), json.loads(optimizer_settings(getattr(algo, "optimizer", None)))
-        if old.get("type") != new.get("type") or len(old.get("groups", [])) != len(new.get("groups", [])):
-            differ.append(f"the optimizer {new.get('type')} over {len(new.get('groups', []))} parameter group(s) "
-                          f"(the checkpoint's: {old.get('type')} over {len(old.get('groups', []))}; "
-                          "--no-decay-bias-norm makes two)")
-        else:
-            for index, (a, b) in enumerate(zip(old.get("groups", []), new.get("groups", []))):
-                for key in sorted(set(a) | set(b)):
-                    if a.get(key) != b.get(key):
-                        differ.append(f"optimizer group {index} {key} {b.get(key)!r} "
-                                      f"(the checkpoint's: {a.get(key)!r})")
+def _settings_mismatch(saved: dict, algo, app: AppSettings | None = None, recorded: dict | None = None) -> str:
+    """What of the run's settings differs from the checkpoint's, or ``""``: the algorithm's options, the
+    optimizer's groups and, for an app, its own settings and the run's length (``recorded``: what the
+    checkpoint's run recorded, see :func:`_recorded_run`)."""
+    derived = app.derived if app is not None else frozenset()
+    differ = _setting_differences(saved, algo, derived)
+    why = ""
+    if app is not None:
+        differ += _flag_differences(app, recorded or {})
+        length, why = _length_difference(app, recorded or {}, saved, algo)
+        differ += length
     if not differ:
         return ""
-    return ("this run's settings differ from those it was saved with: " + ", ".join(differ) +
+    return ("this run's settings differ from those it was saved with: " + ", ".join(differ) + why +
             "; resume with the same options, or start a new run in another --out-dir")
+
+
+def _shown(value, flag: str = "") -> str:
+    """``value`` as it is typed on the command line (a list comma-joined, a dict as KEY=VALUE,...)."""
+    if isinstance(value, bool):
+        return (flag if value else f"--no-{flag[2:]}") if flag else str(value).lower()
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_shown(v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_shown(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _entry(flag: str, now, then, negatable: bool) -> str:
+    """One difference, in the flag the user types: ``--batch-size 64 (the checkpoint's: 32)``.
+
+    A flag without a value shows as given or not (``negatable``: as ``--flag`` / ``--no-flag``).
+    """
+    if isinstance(now, bool) and isinstance(then, bool):
+        if negatable:
+            return f"{_shown(now, flag)} (the checkpoint's: {_shown(then, flag)})"
+        return f"{flag} {'given' if now else 'not given'} (the checkpoint's: {'given' if then else 'not given'})"
+    return f"{flag} {_shown(now)} (the checkpoint's: {_shown(then)})"
+
+
+def _setting_differences(saved: dict, algo, derived: frozenset) -> list[str]:
+    """The algorithm's options (``derived`` ones aside) and optimizer groups that differ from the checkpoint's,
+    as typed flags (:func:`~mpicomm.checkpoint.compatibility.settings_differences`; the topology is compared
+    by the checkpoint's ``expect``)."""
+    config = {f.name for f in dataclasses.fields(algo.config)}
+    out = []
+    for key, now, then in settings_differences(saved, algo):
+        if key in config and key not in derived:
+            out.append(_entry(_flag(key), now, then, negatable=True))
+        elif key == "optimizer":
+            out.append(f"the optimizer {now} (the checkpoint's: {then}; --no-decay-bias-norm makes two)")
+        elif key.startswith("optimizer group"):
+            out.append(f"{key} {now!r} (the checkpoint's: {then!r})")
+    return out
+
+
+def _json(value):
+    """``value`` as a JSON round trip gives it back (tuples as lists), so a recorded value compares equal."""
+    return json.loads(json.dumps(value))
+
+
+def _flag_differences(app: AppSettings, recorded: dict) -> list[str]:
+    """The app's settings that differ from those recorded; one missing on either side is not compared."""
+    then = recorded.get("settings") or {}
+    return [_entry(flag, value, then[flag], negatable=False) for flag, value in app.flags.items()
+            if flag not in LENGTH_FLAGS and flag in then and _json(value) != then[flag]]
+
+
+def _flag(key: str) -> str:
+    """The command-line flag of config field ``key`` (``total_steps`` -> ``--total-steps``)."""
+    return "--" + key.replace("_", "-")
+
+
+def _moved_derived(app: AppSettings, saved: dict, algo) -> dict:
+    """The ``derived`` options of the algorithm whose value differs from the checkpoint's: {key: (then, now)}."""
+    config = dict(saved.get("algorithm", {}).get("config", {}))
+    pairs = {key: (plain(config.get(key)), plain(getattr(algo.config, key, None))) for key in app.derived}
+    return {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
+
+
+def _length_dependents(app: AppSettings, algo, moved: dict) -> list[str]:
+    """What of this run follows its length: a schedule shaped by it, algorithm options filled in from it."""
+    out = [f"its {app.schedule} learning-rate schedule"] if app.schedule not in LENGTH_FREE_SCHEDULES else []
+    return out + [f"{algo.name}'s {key} (filled in from it when {_flag(key)} is not given)" for key in sorted(moved)]
+
+
+def _length_difference(app: AppSettings, recorded: dict, saved: dict, algo) -> tuple[list[str], str]:
+    """(the length flags that differ, why that is refused) when the run's length changed and something
+    depends on it; nothing when the length is the same, unknown, or free to change."""
+    moved = _moved_derived(app, saved, algo)
+    before = recorded.get("total_steps")
+    if before is None and moved:
+        before = next(iter(moved.values()))[0]
+    depends = _length_dependents(app, algo, moved)
+    if before is None or int(before) == app.total_steps or not depends:
+        return [], ""
+    then = recorded.get("settings") or {}
+    differ = [_entry(flag, app.flags[flag], then[flag], negatable=False) for flag in LENGTH_FLAGS
+              if flag in app.flags and flag in then and _json(app.flags[flag]) != then[flag]]
+    if not differ:  # the flags were not recorded, or the same flags make another length (another batch size)
+        given = " ".join(f"{flag} {_shown(app.flags[flag])}" for flag in LENGTH_FLAGS if flag in app.flags)
+        differ = [f"{given}: a run of {app.total_steps} steps (the checkpoint's: {before})".lstrip(": ")]
+    extend = "--lr-schedule constant" + "".join(f" and {_flag(key)} given" for key in sorted(moved))
+    why = (f"; the run's length sets {' and '.join(depends)}, so it cannot change on resume: only a run trained "
+           f"with {extend} from its start can be extended")
+    return differ, why
+
+
+def _recorded_run(path: Path, step: int) -> dict:
+    """The ``start`` record of the run that saved the checkpoint of ``step`` at ``path`` (``{}``: unknown).
+
+    It is read from ``metrics.jsonl`` of the checkpoint's run directory: the last ``start`` before the
+    last ``checkpoint`` event of ``step`` (a run resumed from an earlier step saves that step again).
+    """
+    start, found = None, {}
+    for record in _start_and_checkpoint_records(_run_directory(path)[1] / "metrics.jsonl"):
+        if record.get("event") == "start":
+            start = record
+        elif record.get("event") == "checkpoint" and record.get("step") == step and start is not None:
+            found = start
+    return {key: found[key] for key in ("settings", "total_steps") if key in found}
+
+
+def _start_and_checkpoint_records(path: Path) -> list[dict]:
+    """The ``start`` and ``checkpoint`` records of a metrics file (none when it cannot be read); the
+    other lines, most of a long run's, are not parsed, and a line that is not JSON is passed over."""
+    out = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if '"start"' not in line and '"checkpoint"' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    out.append(record)
+    except OSError:
+        return []
+    return out
+
+
+def _shared_record(path: Path, saved: dict, algo) -> dict:
+    """Collective: :func:`_recorded_run`, read by rank 0 and given to every rank."""
+    record = _recorded_run(Path(path), int(saved.get("step", -1))) if algo.comm.rank == 0 else None
+    return algo.comm.allgather_object(record, "the checkpoint's recorded settings")[0]
+
+
+def _buffers_mismatch(model: torch.nn.Module, saved: dict) -> str:
+    """How the checkpoint's buffers (BatchNorm's running statistics) differ from ``model``'s by name, or ``""``."""
+    have, want = set(saved), {name for name, _ in model.named_buffers()}
+    if have == want:
+        return ""
+    parts = []
+    for names, whose, other in ((have - want, "the checkpoint has", "this job's model lacks"),
+                                (want - have, "this job's model has", "the checkpoint lacks")):
+        if names:
+            shown = sorted(names)
+            parts.append(f"{whose} {len(shown)} buffer(s) {other} ({', '.join(shown[:3])}"
+                         f"{', …' if len(shown) > 3 else ''})")
+    return ("its model keeps other buffers than this job's (such as BatchNorm's running statistics): " +
+            "; ".join(parts))
+
+
+def _agreed(algo, problem: str) -> str:
+    """Collective: the first rank's non-empty ``problem`` on every rank (``""`` when no rank has one)."""
+    problems = algo.comm.allgather_object(problem, "the agreement on the checkpoint's buffers")
+    return next((p for p in problems if p), "")
 
 
 def _load_buffers(model: torch.nn.Module, saved: dict) -> None:
