@@ -79,6 +79,7 @@ class FlatParameters:
             view.copy_(p.detach().reshape(-1))
             p.data = view.view(layer.shape)
             p.grad = self.grad[layer.offset:layer.offset + layer.numel].view(layer.shape)
+        self._addresses = tuple(p.data_ptr() for p in self.params)  # where each parameter's data must stay
 
     def signature(self) -> tuple:
         """(numel, names and shapes): equal on two ranks iff they wrap the same architecture."""
@@ -131,8 +132,8 @@ class FlatParameters:
         must still be frozen, and the model must hold the very Parameter objects it held (not new ones from
         a replaced layer, ``load_state_dict(assign=True)`` or ``to_empty``).
         """
-        for p, layer in zip(self.params, self.layers):
-            if p.data_ptr() != self.data[layer.offset:].data_ptr() or p.shape != layer.shape:
+        for p, layer, where in zip(self.params, self.layers, self._addresses):
+            if p.data_ptr() != where or p.shape != layer.shape:
                 return (f"parameter {layer.name!r} no longer lives in the buffer mpicomm.wrap made (it was re-homed "
                         "after wrap, e.g. by model.to(device / dtype / memory_format=...), p.data = ... or "
                         "load_state_dict(assign=True)), so it would not be trained: move and load the model "
@@ -145,7 +146,7 @@ class FlatParameters:
                 return (f"parameter {name!r} was unfrozen (requires_grad=True) after mpicomm.wrap, so it would not "
                         "be trained; the trained parameters are fixed at wrap: unfreeze it before mpicomm.wrap, "
                         "or wrap again")
-        if tuple(id(p) for p in model.parameters()) != self._identity:
+        if tuple(map(id, model.parameters())) != self._identity:
             return ("the model's parameters were replaced after mpicomm.wrap (a layer swapped, "
                     "load_state_dict(assign=True), to_empty), so the new ones would not be trained: build and load "
                     "the model completely before mpicomm.wrap, or wrap again")
