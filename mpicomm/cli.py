@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNG curves from metrics.jsonl files (accuracy vs epoch, time, bytes)")
     plot.add_argument("metrics", nargs="+", help="metrics.jsonl files written by the apps")
     plot.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default curves.png)")
-    plot.add_argument("--metric", default="test_accuracy", help="e.g. test_accuracy, val_mlm_loss")
+    plot.add_argument("--metric", default=None,
+                      help="the evaluated metric to draw, e.g. test_loss, val_mlm_loss (default: each file's app's "
+                           "own: test_accuracy for ResNet, val_mlm_accuracy for BERT)")
     plot.add_argument("--labels", default=None, help="comma-separated legend labels, one per file")
     export = sub.add_parser("export", help="a run's model as a torch state_dict file or a Hugging Face folder (no MPI)")
     export.add_argument("checkpoint", help="a run directory (its latest checkpoint), RUN_DIR/step-N or a checkpoint.h5")

@@ -130,3 +130,21 @@ def test_plot_draws_the_loss_curve_and_one_point_per_evaluation_of_a_resumed_run
     (run,) = curves([str(path)])
     assert run["label"] == "run" and run["loss"] == ([2, 4, 6, 8], [8.0, 6.0, 3.5, 2.0])
     assert run["epoch"] == ([1, 2], [0.5, 0.75]) and run["bytes_sent"] == ([2.0, 4.0], [0.5, 0.75])
+
+
+def test_plot_draws_each_apps_own_metric_by_default(tmp_path):
+    """A BERT run logs no test_accuracy: without --metric its masked-token accuracy is drawn, beside a ResNet run's
+    test accuracy; a metric neither file holds is refused naming what they hold."""
+    paths = []
+    for name, metric in (("bert", "val_mlm_accuracy"), ("resnet", "test_accuracy")):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "metrics.jsonl"
+        path.write_text(json.dumps({"event": "eval", "epoch": 1, "wall_s": 1, "bytes_sent": 1e6, metric: 0.4,
+                                    "val_mlm_loss" if name == "bert" else "test_loss": 2.0}) + "\n")
+        paths.append(str(path))
+    bert, resnet = curves(paths)
+    assert (bert["metric"], bert["epoch"]) == ("val_mlm_accuracy", ([1], [0.4]))
+    assert resnet["metric"] == "test_accuracy"
+    with pytest.raises(ValueError, match="no evaluation records with 'test_loss'; --metric can be one of "
+                                         "val_mlm_accuracy, val_mlm_loss"):
+        curves(paths, metric="test_loss")
