@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 
@@ -57,7 +56,7 @@ _JOB: Job | None = None
 def _excepthook(kind, value, tb) -> None:
     """Agreed errors and script errors: one line, exit 2; anything else: this rank's traceback, then abort."""
     from .comm import world
-    from .comm.failfast import ABORT_GRACE_S, settle_local_error
+    from .comm.failfast import abort_with_line, settle_local_error
     from .errors import ScriptError, agreed_of, one_line
 
     comm = world()
@@ -67,8 +66,8 @@ def _excepthook(kind, value, tb) -> None:
             sys.stderr.write(f"mpicomm: error: {line}\n")
         sys.stdout.flush()
         sys.stderr.flush()
-        if not everyone:
-            time.sleep(ABORT_GRACE_S)  # the launcher ends the other ranks as this one exits: let the line out first
+        if not everyone:  # the others may wait in a collective: end them, with this exit status
+            abort_with_line(2)
         os._exit(2)
     mark = agreed_of(value)
     if mark is not None:
@@ -192,11 +191,16 @@ def save(directory, algo, step: int, keep_last: int | None = 2, **extra) -> str:
 def restore(path, algo) -> tuple[int, dict]:
     """Collective: load :func:`save`'s checkpoint into ``algo`` (a run directory: its latest); ``(step, extra)``.
 
-    The checkpoint must come from the same world size, algorithm and model (parameter names and shapes,
-    frozen ones and buffers), and ``algo`` must have the checkpoint's topology, options (``lr`` and the
-    algorithm's own, as given to ``wrap``) and optimizer (type and parameter groups' options but the lr):
-    anything else is the same one-line error on every rank, listing each difference. The current lr (a
-    scheduler's) comes from the checkpoint. Tensors land on the device of ``algo``'s parameters.
+    The checkpoint must come from the same algorithm and model (parameter names and shapes, frozen ones and
+    buffers), and ``algo`` must have the checkpoint's topology, options (``lr`` and the algorithm's own, as
+    given to ``wrap``) and optimizer (type and parameter groups' options but the lr): anything else is the
+    same one-line error on every rank, listing each difference. The current lr (a scheduler's) comes from
+    the checkpoint. Tensors land on the device of ``algo``'s parameters.
+
+    A checkpoint of another world size N continues at this job's size M: every rank reads the N saved
+    states and builds its own by the algorithm's family rule (:meth:`~mpicomm.algorithms.base.Algorithm.
+    reshard_state`; docs/checkpoints.md, Another world size); ``extra`` is old rank r's for r < N, rank 0's
+    for the ranks past N. A method that cannot continue at another size is one line naming it.
     """
     from pathlib import Path
 
@@ -207,10 +211,11 @@ def restore(path, algo) -> tuple[int, dict]:
     where = Path(path)
     if where.is_dir() and not (where / "checkpoint.h5").exists():
         where = latest_checkpoint(where) or where
-    state, meta = load_checkpoint(where, algo.comm, expect={"algorithm": {"name": algo.name}})
+    state, meta = load_checkpoint(where, algo.comm, expect={"algorithm": {"name": algo.name}}, any_size=True)
+    resized = isinstance(state, list)
     problem = signature_mismatch(str(meta.get("model_signature", "")), repr(algo.flat.signature()))
     differ = settings_differences(meta, algo)
-    saved_buffers, buffers = state["buffers"], dict(algo.model.named_buffers())
+    saved_buffers, buffers = (state[0] if resized else state)["buffers"], dict(algo.model.named_buffers())
     if not problem and differ:
         problem = ("this job's settings differ from those it was saved with: " +
                    ", ".join(f"{key}={now!r} (the checkpoint's: {then!r})" for key, now, then in differ) +
@@ -218,6 +223,8 @@ def restore(path, algo) -> tuple[int, dict]:
     if not problem and set(saved_buffers) != set(buffers):
         problem = f"its buffers {sorted(saved_buffers)} are not the model's {sorted(buffers)}"
     raise_together(algo.comm, ValueError(f"cannot restore {where}: {problem}") if problem else None)
+    if resized:
+        return int(meta["step"]), _restore_resized(where, state, algo, int(meta["step"]))
     device = algo.flat.data.device
     state = map_location(state, device)
     algo.load_state_dict(state["algorithm"])
@@ -226,3 +233,17 @@ def restore(path, algo) -> tuple[int, dict]:
             buffers[name].copy_(value)
     restore_rng_state(state["rng"], device)
     return int(meta["step"]), state.get("extra", {})
+
+
+def _restore_resized(where, states: list, algo, step: int) -> dict:
+    """Collective: load the N saved ``states`` into ``algo`` at this job's size; this rank's ``extra``."""
+    from .checkpoint.resize import load_resized
+    from .comm import raise_together
+
+    error, mine = None, None
+    try:
+        mine = load_resized(states, algo, step)
+    except ValueError as exc:
+        error = ValueError(f"cannot restore {where} at {algo.comm.size} ranks (saved at {len(states)}): {exc}")
+    raise_together(algo.comm, error)
+    return mine.get("extra", {})

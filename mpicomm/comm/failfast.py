@@ -27,8 +27,8 @@ from mpi4py import MPI
 
 from ..errors import mark_agreed
 
-__all__ = ["ABORT_GRACE_S", "SETTLE_S", "abort_on_exception", "prepare_local_errors", "raise_together",
-           "settle_local_error"]
+__all__ = ["ABORT_GRACE_S", "SETTLE_S", "abort_on_exception", "abort_with_line", "prepare_local_errors",
+           "raise_together", "settle_local_error"]
 
 ABORT_GRACE_S = 1.0
 """Seconds between printing a rank's error and ``MPI_Abort``. The message is in the pipe to the launcher's
@@ -129,3 +129,14 @@ def settle_local_error(message: str, wait_s: float = SETTLE_S) -> tuple[str, boo
     if all(m == messages[0] for m in messages):
         return messages[0], True
     return f"rank 0: {messages[0]} (every rank failed; the others' errors differ)", True
+
+
+def abort_with_line(code: int) -> None:
+    """End every rank with exit status ``code`` after this rank's line was written: ``MPI_Abort`` (so the launcher
+    reports ``code``, not the signal it ends the other ranks with), its own message silenced."""
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)  # MPICH prints "Abort(code) on node ..." itself: the line above already said it all
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
