@@ -62,11 +62,14 @@ def test_divergence_stops_every_rank_once_and_saves_nothing_after_it(tmp_path):
     assert not any(r["event"] == "checkpoint" and r["step"] >= step for r in records)
 
 
-def test_resuming_with_another_world_size_is_refused_once(saved_run):
-    proc = launch(3, "train_resnet.py", _args(6, saved_run, "--resume", "latest"))
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert _one_error(proc).endswith(f"cannot resume from {saved_run / 'step-000000004'}: "
-                                     "checkpoint has world size 2, this job has 3")
+def test_resuming_with_another_world_size_continues_at_that_size(saved_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    proc = launch(3, "train_resnet.py", _args(4, run, "--resume", "step-2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {run / 'step-000000002'} at step 2 of 4 (saved at 2 ranks, continued at 3)" in proc.stdout
+    resize = [r for r in strict_records(run / "metrics.jsonl") if r["event"] == "resize"]
+    assert [(r["old_size"], r["new_size"], r["step"]) for r in resize] == [(2, 3, 2)]
 
 
 def test_resuming_another_model_names_the_first_differing_parameter(saved_run):

@@ -55,6 +55,7 @@ import torch
 from ..comm import Communicator, raise_together
 from ..errors import ScriptError
 from ..flat import FlatParameters
+from .resize import Resize, reshard_tree
 
 __all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
            "clone_optimizer_state"]
@@ -691,6 +692,48 @@ class Algorithm(abc.ABC):
     def _extra_state(self) -> dict[str, Any]:
         """Subclass state (buffers, optimizer state, generators); override and call super()."""
         return {}
+
+    # ------------------------------------------------------------------ another world size
+    resize_family: ClassVar[str] = "centralized"
+    """Which rule of docs/checkpoints.md (Another world size) this method follows on a resize."""
+    resize_sharded: ClassVar[bool] = False
+    """Whether the method keeps error buffers or public copies per node shard under a two-level exchange."""
+
+    def resize_refusal(self) -> str:
+        """Why this method cannot continue a checkpoint of another world size (``""``: it can)."""
+        if self.resize_sharded and self._two_level_in_use():
+            return (f"{self.name} with a two-level (hierarchical) exchange cannot change world size: its error "
+                    "buffers or public copies are kept per node shard, whose layout changes with the size; "
+                    "resume at the saved size, or with hierarchical=off on both sides")
+        return ""
+
+    def _two_level_in_use(self) -> bool:
+        """Whether this algorithm exchanges in two levels (a node layout) at this world size."""
+        levels = [getattr(self, "two_level", None), getattr(self, "node_gossip", None),
+                  *(getattr(self, "levels", None) or [])]
+        return any(level is not None for level in levels)
+
+    def _resize_rules(self) -> dict:
+        """Dotted paths of :meth:`state_dict` with the rule that builds them on a resize
+        (:mod:`~mpicomm.algorithms.resize`); every other entry takes the default rule. Override and extend."""
+        return {}
+
+    def reshard_state(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's state at the current world size from ``states``, the ``state_dict()`` of every rank of a
+        checkpoint saved at another world size (old rank order); load it with :meth:`load_state_dict`.
+
+        The rules per family are in :mod:`~mpicomm.algorithms.resize` and docs/checkpoints.md. Raises
+        ``ValueError`` naming the method where it cannot continue (:meth:`resize_refusal`). Not collective.
+        """
+        refusal = self.resize_refusal()
+        if refusal:
+            raise ValueError(refusal)
+        names = {s.get("algorithm") for s in states}
+        if names != {self.name}:
+            raise ValueError(f"states are for algorithm(s) {sorted(map(str, names))}, this is {self.name!r}")
+        fresh = self.state_dict()
+        resize = Resize(states, fresh, self.comm.rank, self.comm.size, self.name)
+        return reshard_tree(states, fresh, resize, self._resize_rules())
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         """Restore :meth:`_extra_state`; override and call super()."""

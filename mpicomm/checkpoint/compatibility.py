@@ -15,7 +15,7 @@ import ast
 import dataclasses
 import json
 
-from .store import optimizer_settings
+from .store import optimizer_settings, topology_kind
 
 __all__ = ["plain", "settings_differences", "signature_mismatch"]
 
@@ -34,14 +34,17 @@ def plain(value):
 def settings_differences(saved: dict, algo) -> list[tuple[str, object, object]]:
     """``(setting, now, the checkpoint's)`` for each recorded setting that ``algo`` has otherwise.
 
-    Settings: ``topology``, each option of the algorithm's config (by its field name), ``optimizer`` (type
+    Settings: ``topology`` (by its kind alone, ``ring``, for a checkpoint of another world size), each
+    option of the algorithm's config (by its field name), ``optimizer`` (type
     and number of parameter groups) and ``optimizer group K <option>`` (each group's options but the lr,
     which the run's schedule sets). A setting the checkpoint did not record is not compared.
     """
     differ: list[tuple[str, object, object]] = []
     topology = saved.get("topology", {}).get("name")
     schedule = getattr(getattr(algo, "comm", None), "schedule", None)
-    if topology is not None and schedule is not None and str(topology) != schedule.name:
+    resized = saved.get("world_size") is not None and getattr(algo.comm, "size", None) != saved.get("world_size")
+    if topology is not None and schedule is not None and str(topology) != schedule.name and \
+            not (resized and topology_kind(topology) == topology_kind(schedule.name)):
         differ.append(("topology", schedule.name, str(topology)))
     then = plain(dict(saved.get("algorithm", {}).get("config", {})))
     now = plain(dataclasses.asdict(algo.config))

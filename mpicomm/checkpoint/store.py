@@ -574,12 +574,35 @@ def read_rank_entry(directory, rank: int, meta: dict, save_id: str, keys: tuple 
     return _read_rank(path, rank, meta["world_size"], meta["step"], save_id, tuple(keys), missing_ok)
 
 
-def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[dict, dict]:
+def topology_kind(name) -> str:
+    """A topology's name without its size (``ring(4)`` -> ``ring``): what stays the same at another world size."""
+    return re.sub(r"\(.*\)$", "", str(name))
+
+
+def _at_another_size(expect: dict, meta: dict) -> dict:
+    """``expect`` for a checkpoint of another world size: the topology compared by its kind only (the graph's
+    size and its matrix ``W`` are the new size's)."""
+    topology = expect.get("topology")
+    if not isinstance(topology, dict):
+        return expect
+    kept = {k: v for k, v in topology.items() if k not in ("W", "name")}
+    stored = meta.get("topology", {}).get("name")
+    if "name" in topology and (stored is None or topology_kind(stored) != topology_kind(topology["name"])):
+        kept["name"] = topology["name"]
+    return {**expect, "topology": kept}
+
+
+def load_checkpoint(path_or_root, comm, *, expect: dict | None = None, any_size: bool = False) -> tuple:
     """Collective: (this rank's state, the checkpoint's meta) from a checkpoint dir, its checkpoint.h5, or a root.
 
     Every rank raises the same error if the checkpoint is missing, incomplete or corrupted (naming the
     file), written by another world size, or if any entry of ``expect`` (compared with the stored meta;
     nested dicts on ``expect``'s keys, arrays and tensors exactly) differs.
+
+    ``any_size``: a checkpoint of another world size N is not refused; then ``state`` is the list of all N
+    saved ranks' states (old rank order), which every rank reads whole (each process holds N states at
+    once: N times one rank's state in memory), ``meta["world_size"]`` is N, and ``expect``'s
+    topology is compared by its kind (``ring``), not its size or matrix ``W``. At the same size nothing changes.
     """
     raw = _raw(comm)
     rank, size = raw.Get_rank(), raw.Get_size()
@@ -587,10 +610,13 @@ def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[
     if rank == 0:
         try:
             directory = _resolve(Path(path_or_root))
-            found = (directory, *_open(directory / INDEX, lambda f: _read_index(f, size)))
+            found = (directory, *_open(directory / INDEX, lambda f: _read_index(f, None if any_size else size)))
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
     directory, meta, save_id = _agree(raw, error, "load_checkpoint", found)[0]
+    saved_size = int(meta["world_size"])
+    if saved_size != size:
+        expect = _at_another_size(expect or {}, meta)
 
     error = None
     try:
@@ -603,7 +629,11 @@ def load_checkpoint(path_or_root, comm, *, expect: dict | None = None) -> tuple[
 
     error, state = None, None
     try:
-        state = _read_rank(directory / _rank_name(rank), rank, size, meta["step"], save_id)
+        if saved_size == size:
+            state = _read_rank(directory / _rank_name(rank), rank, size, meta["step"], save_id)
+        else:
+            state = [_read_rank(directory / _rank_name(r), r, saved_size, meta["step"], save_id)
+                     for r in range(saved_size)]
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     _agree(raw, error, "load_checkpoint")

@@ -263,7 +263,7 @@ class _Run:
             return None
         expect = {"topology": self.meta["topology"], "algorithm": {"name": self.algo.name}}
         with self.guard.doing("resuming"):
-            resumed = restore_run(path, self.algo, expect, self.meta, self.precision)
+            resumed = restore_run(path, self.algo, expect, self.meta, self.precision, self.task.steps_per_epoch)
         if resumed.step > self.total:
             raise_together(self.comm, ValueError(
                 f"the checkpoint {resumed.path} is at step {resumed.step}, beyond this run's {self.total} steps: "
@@ -276,7 +276,8 @@ class _Run:
             self.algo.comm.ledger.load_state_dict(counters["ledger"])
             self.algo.comm.clock.load_totals(counters["clock"])
         self.last_saved, self.saved_step = str(resumed.path), resumed.step
-        self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}")
+        resized = f" (saved at {resumed.resized_from} ranks, continued at {self.size})" if resumed.resized_from else ""
+        self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}{resized}")
         return resumed
 
     def _set_aside_later_checkpoints(self) -> None:
@@ -297,6 +298,10 @@ class _Run:
         if resumed:
             self.metrics.write({"event": "resume", "step": self.step, "path": str(resumed.path),
                                 "wall_s": self.wall_offset, "train_s": self.train_s, **algo.comm.ledger.totals()})
+            if resumed.resized_from:
+                self.metrics.write({"event": "resize", "step": self.step, "old_size": resumed.resized_from,
+                                    "new_size": self.size, "rule": algo.resize_family,
+                                    "epoch": self.epoch, "batch": self.start})
         self.metrics.write({"event": "start", "step": self.step, "resumed_from": str(resumed.path) if resumed else "",
                             "total_steps": self.total, "steps_per_epoch": self.task.steps_per_epoch,
                             "ranks": self.size, "algorithm": algo.name,
@@ -319,7 +324,8 @@ class _Run:
                     "clock": algo.comm.clock.totals()}
         state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(self.device),
                  "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()},
-                 "position": {"step": self.step, "epoch": position[0], "batch": position[1]},
+                 "position": {"step": self.step, "epoch": position[0], "batch": position[1],
+                              "steps_per_epoch": self.task.steps_per_epoch},
                  "counters": counters}
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()

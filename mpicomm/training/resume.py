@@ -39,6 +39,7 @@ import torch
 
 from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, map_location
 from ..checkpoint.compatibility import plain, settings_differences, signature_mismatch
+from ..checkpoint.resize import load_resized, resized_counters, resized_position
 from ..checkpoint.rng import restore_rng_state
 from ..checkpoint.tree import CheckpointError
 from ..errors import agreed_of, mark_agreed
@@ -95,6 +96,7 @@ class Resumed:
     epoch: int
     batch: int
     counters: dict = field(default_factory=dict)
+    resized_from: int | None = None  # the world size it was saved at, when another than this run's
 
 
 def resolve_resume(resume: str, out_dir: str) -> Path | None:
@@ -113,29 +115,33 @@ def resolve_resume(resume: str, out_dir: str) -> Path | None:
     return path
 
 
-def restore_run(path: Path, algo, expect: dict, meta: dict, precision) -> Resumed:
+def restore_run(path: Path, algo, expect: dict, meta: dict, precision, steps_per_epoch: int = 0) -> Resumed:
     """Collective: load ``path`` into ``algo`` (the model's buffers, every RNG, the loss scale); where to go on.
 
     Tensors land on the device of ``algo``'s parameters, whatever device wrote them. ``expect`` is checked
     against the checkpoint's meta; ``meta`` (this run's :func:`~mpicomm.checkpoint.run_meta`) is compared
     separately so that a different model names the first parameter that differs, and different settings
-    are listed one by one.
+    are listed one by one. A checkpoint of another world size continues at this one (:func:`_restore_resized`;
+    ``steps_per_epoch``: this run's batches per epoch, where the data position lands).
     """
     try:
-        state, saved = load_checkpoint(path, algo.comm, expect=expect)
+        state, saved = load_checkpoint(path, algo.comm, expect=expect, any_size=True)
     except Exception as exc:
         mark = agreed_of(exc)
         if mark is None:
             raise
         damaged = isinstance(exc, CheckpointError) and Path(path).exists()
         raise _refusal(path, mark.message, algo, expect, damaged) from exc
+    resized = isinstance(state, list)
     app = _APP_SETTINGS.get()
     recorded = _shared_record(path, saved, algo) if app is not None else None
     problem = signature_mismatch(str(saved.get("model_signature", "")), meta["model_signature"]) or \
-        _settings_mismatch(saved, algo, app, recorded)
-    problem = problem or _agreed(algo, _buffers_mismatch(algo.model, state["buffers"]))
+        _settings_mismatch(saved, algo, app, recorded, resized)
+    problem = problem or _agreed(algo, _buffers_mismatch(algo.model, (state[0] if resized else state)["buffers"]))
     if problem:
         raise _refusal(path, problem, algo, expect, damaged=False)
+    if resized:
+        return _restore_resized(Path(path), state, algo, precision, steps_per_epoch)
     device = algo.flat.data.device
     state = map_location(state, device)
     algo.load_state_dict(state["algorithm"])
@@ -145,6 +151,26 @@ def restore_run(path: Path, algo, expect: dict, meta: dict, precision) -> Resume
     position = state["position"]
     return Resumed(Path(path), *(int(position[k]) for k in ("step", "epoch", "batch")),
                    counters=state.get("counters", {}))
+
+
+def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch: int) -> Resumed:
+    """Collective: continue the N saved ``states`` at this job's size (docs/checkpoints.md, Another world size):
+    the algorithm by its family's rule, the buffers and generators (:func:`~mpicomm.checkpoint.resize.
+    load_resized`), the loss scale (agreed: rank 0's), the data position and this rank's counters."""
+    position = states[0]["position"]
+    old, new = len(states), algo.comm.size
+    error = None
+    try:
+        load_resized(states, algo, int(position["step"]))
+    except ValueError as exc:
+        error = exc
+    problems = algo.comm.allgather_object(str(error) if error else "", "the agreement on the resized checkpoint")
+    problem = next((p for p in problems if p), "")
+    if problem:
+        raise _refusal(path, f"it was saved at {old} ranks, this run has {new}: {problem}", algo, {}, damaged=False)
+    precision.load_state_dict(states[0].get("precision", {}))
+    step, epoch, batch = resized_position(position, old, new, steps_per_epoch or int(position["batch"]) + 1)
+    return Resumed(path, step, epoch, batch, counters=resized_counters(states, algo.comm.rank), resized_from=old)
 
 
 def _refusal(path: Path, why: str, algo, expect: dict, damaged: bool) -> CheckpointError:
@@ -174,7 +200,7 @@ def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
         older = [p for p in older if p.name < directory.name]
     for candidate in reversed(older[-3:]):
         try:
-            load_checkpoint(candidate, algo.comm, expect=expect)
+            load_checkpoint(candidate, algo.comm, expect=expect, any_size=True)
             return candidate
         except Exception as exc:
             if agreed_of(exc) is None:
@@ -182,16 +208,18 @@ def _newest_intact_before(path: Path, algo, expect: dict) -> Path | None:
     return None
 
 
-def _settings_mismatch(saved: dict, algo, app: AppSettings | None = None, recorded: dict | None = None) -> str:
+def _settings_mismatch(saved: dict, algo, app: AppSettings | None = None, recorded: dict | None = None,
+                       resized: bool = False) -> str:
     """What of the run's settings differs from the checkpoint's, or ``""``: the algorithm's options, the
     optimizer's groups and, for an app, its own settings and the run's length (``recorded``: what the
-    checkpoint's run recorded, see :func:`_recorded_run`)."""
+    checkpoint's run recorded, see :func:`_recorded_run`; ``resized``: saved at another world size, where
+    the length in steps follows the new global batch and only the typed length flags are compared)."""
     derived = app.derived if app is not None else frozenset()
     differ = _setting_differences(saved, algo, derived)
     why = ""
     if app is not None:
         differ += _flag_differences(app, recorded or {})
-        length, why = _length_difference(app, recorded or {}, saved, algo)
+        length, why = _length_difference(app, recorded or {}, saved, algo, resized)
         differ += length
     if not differ:
         return ""
@@ -270,17 +298,22 @@ def _length_dependents(app: AppSettings, algo, moved: dict) -> list[str]:
     return out + [f"{algo.name}'s {key} (filled in from it when {_flag(key)} is not given)" for key in sorted(moved)]
 
 
-def _length_difference(app: AppSettings, recorded: dict, saved: dict, algo) -> tuple[list[str], str]:
+def _length_difference(app: AppSettings, recorded: dict, saved: dict, algo,
+                       resized: bool = False) -> tuple[list[str], str]:
     """(the length flags that differ, why that is refused) when the run's length changed and something
-    depends on it; nothing when the length is the same, unknown, or free to change."""
+    depends on it; nothing when the length is the same, unknown, or free to change. ``resized``: the same
+    length flags at another world size are the same run (its length in steps follows the global batch)."""
     moved = _moved_derived(app, saved, algo)
+    then = recorded.get("settings") or {}
+    if resized and not moved and all(_json(app.flags.get(flag)) == then.get(flag) for flag in LENGTH_FLAGS
+                                     if flag in app.flags and flag in then):
+        return [], ""
     before = recorded.get("total_steps")
     if before is None and moved:
         before = next(iter(moved.values()))[0]
     depends = _length_dependents(app, algo, moved)
     if before is None or int(before) == app.total_steps or not depends:
         return [], ""
-    then = recorded.get("settings") or {}
     differ = [_entry(flag, app.flags[flag], then[flag], negatable=False) for flag in LENGTH_FLAGS
               if flag in app.flags and flag in then and _json(app.flags[flag]) != then[flag]]
     if not differ:  # the flags were not recorded, or the same flags make another length (another batch size)

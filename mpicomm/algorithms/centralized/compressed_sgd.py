@@ -41,6 +41,7 @@ import torch
 
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from ..base import Algorithm, check_range, clone_optimizer_state
+from ..resize import share_of_sum
 from ..shared.allgather_sum import PayloadSum
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import TwoLevelConfig, two_level_for
@@ -161,6 +162,7 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
     centralized = True
     clips_average = True
     takes_optimizer = True
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -246,6 +248,10 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
         self.codec.load_state_dict(extra["codec"])
         if self.error is not None:
             self.error.copy_(extra["error"])
+
+    def _resize_rules(self):
+        """On a resize each rank's error-feedback residual is the saved residuals' sum / M."""
+        return {**super()._resize_rules(), "extra.error": share_of_sum}
 
 
 class QSGD(CompressedSGD):

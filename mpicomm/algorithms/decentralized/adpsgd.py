@@ -64,6 +64,7 @@ class ADPSGD(Algorithm):
     name = "adpsgd"
     config_class = ADPSGDConfig
     takes_optimizer = True
+    resize_family = "decentralized"
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_bool, check_range
+from ..resize import public_copies
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
@@ -101,6 +102,8 @@ class CHOCO(PeriodicGossip):
 
     name = "choco"
     config_class = ChocoConfig
+    resize_family = "decentralized"
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -129,6 +132,11 @@ class CHOCO(PeriodicGossip):
 
     def _extra_state(self):
         return {**super()._extra_state(), "gossip": self.gossip.state_dict()}
+
+    def _resize_rules(self):
+        """On a resize the public copies x̂ and their weighted sums are re-derived for the new graph from the new
+        replica."""
+        return {**super()._resize_rules(), "extra.gossip.own_and_sum": public_copies}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

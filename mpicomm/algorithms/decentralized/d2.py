@@ -34,6 +34,7 @@ import torch
 
 from ...codecs import chunk_elems, chunk_ranges
 from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from ..resize import fresh
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 
@@ -61,6 +62,7 @@ class D2(Algorithm):
     name = "d2"
     config_class = D2Config
     takes_optimizer = True
+    resize_family = "decentralized"
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -112,6 +114,15 @@ class D2(Algorithm):
         if self.user_optimizer:
             state["optimizer"] = clone_optimizer_state(self.optimizer)
         return state
+
+    def _resize_rules(self):
+        """On a resize D²'s recursion restarts (its previous iterate and step belong to the old graph): the first
+        step after it is a D-PSGD step, as at the start of a run."""
+        return {**super()._resize_rules(),
+                "extra.x_prev": fresh,
+                "extra.g_prev": fresh,
+                "extra.lr_prev": fresh,
+                "extra.started": fresh}
 
     def _load_extra_state(self, extra):
         if self.user_optimizer:

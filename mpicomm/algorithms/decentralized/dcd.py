@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, clone_optimizer_state
+from ..resize import public_copies
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
@@ -60,6 +61,8 @@ class DCD(Algorithm):
     name = "dcd"
     config_class = DCDConfig
     takes_optimizer = True
+    resize_family = "decentralized"
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -119,6 +122,11 @@ class DCD(Algorithm):
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "gossip": self.gossip.state_dict()}
+
+    def _resize_rules(self):
+        """On a resize the public copies x̂ and their weighted sums are re-derived for the new graph from the new
+        replica."""
+        return {**super()._resize_rules(), "extra.gossip.own_and_sum": public_copies}
 
     def _load_extra_state(self, extra):
         self.optimizer.load_state_dict(extra["optimizer"])

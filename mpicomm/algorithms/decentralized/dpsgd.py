@@ -62,6 +62,7 @@ class DPSGD(Algorithm):
 
     name = "dpsgd"
     config_class = DPSGDConfig
+    resize_family = "decentralized"
 
     takes_optimizer = True
 

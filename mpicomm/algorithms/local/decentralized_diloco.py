@@ -54,6 +54,7 @@ class DecentralizedDiLoCo(OuterLoop):
 
     name = "decentralized_diloco"
     config_class = DecentralizedDiLoCoConfig
+    resize_family = "decentralized"
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

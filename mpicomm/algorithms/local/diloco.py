@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
+from ..resize import share_of_sum
 from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
@@ -102,6 +103,8 @@ class OuterLoop(Algorithm):
     ``global_params`` (x_g) is the outer optimizer's parameter and ``outer_grad`` its gradient; both, the
     outer optimizer's state and the inner optimizer's are in ``state_dict()``.
     """
+
+    resize_family = "outer"
 
     takes_optimizer = True
     builtin_optimizer_fields = ("lr", "momentum", "weight_decay", "inner_optimizer", "beta1", "beta2", "eps")
@@ -205,6 +208,7 @@ class DiLoCo(OuterLoop):
 
     name = "diloco"
     config_class = DiLoCoConfig
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -237,6 +241,10 @@ class DiLoCo(OuterLoop):
         if self.codec is not None:
             state.update(codec=self.codec.state_dict(), error=self.error.clone())
         return state
+
+    def _resize_rules(self):
+        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept)."""
+        return {**super()._resize_rules(), "extra.error": share_of_sum}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

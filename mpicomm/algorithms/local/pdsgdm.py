@@ -74,6 +74,7 @@ class PDSGDM(PeriodicGossip):
 
     name = "pdsgdm"
     config_class = PDSGDMConfig
+    resize_family = "decentralized"
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

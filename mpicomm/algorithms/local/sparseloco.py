@@ -32,6 +32,7 @@ import torch
 
 from ...codecs.chunked_topk import ChunkedTopKCodec
 from ..base import check_int, check_range
+from ..resize import share_of_sum
 from ..shared.allgather_sum import PayloadSum
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .diloco import OuterConfig, OuterLoop
@@ -68,6 +69,7 @@ class SparseLoCo(OuterLoop):
 
     name = "sparseloco"
     config_class = SparseLoCoConfig
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -90,6 +92,10 @@ class SparseLoCo(OuterLoop):
 
     def _extra_state(self):
         return {**super()._extra_state(), "error": self.error.clone()}
+
+    def _resize_rules(self):
+        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept)."""
+        return {**super()._resize_rules(), "extra.error": share_of_sum}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

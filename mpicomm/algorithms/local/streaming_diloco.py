@@ -36,6 +36,7 @@ from itertools import accumulate
 import torch
 
 from ..base import check_bool, check_int, check_range
+from ..resize import first, share_of_sum
 from ..shared.allgather_sum import tree_sum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
@@ -129,6 +130,7 @@ class StreamingDiLoCo(OuterLoop):
 
     name = "streaming_diloco"
     config_class = StreamingDiLoCoConfig
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -253,6 +255,12 @@ class StreamingDiLoCo(OuterLoop):
         if self.error is not None:
             state["error"] = self.error.clone()
         return state
+
+    def _resize_rules(self):
+        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept). The
+        outer gradient is the saved rank 0's: the fragments in flight were received before saving, and their
+        average, the same on every rank, is applied at its due step."""
+        return {**super()._resize_rules(), "extra.error": share_of_sum, "extra.outer_grad": first}
 
     def _load_extra_state(self, extra):
         schedule = torch.tensor([self.bounds, [*self.offsets, self.period]], dtype=torch.int64)

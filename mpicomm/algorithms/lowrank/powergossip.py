@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_int, check_range
+from ..resize import fresh
 from ..shared.hierarchy import GossipTwoLevelConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from .layout import LowRankLayout, orthogonalize
@@ -78,6 +79,7 @@ class PowerGossip(PeriodicGossip):
 
     name = "powergossip"
     config_class = PowerGossipConfig
+    resize_family = "decentralized"
 
     @classmethod
     def check_communicator(cls, config, comm) -> None:
@@ -175,6 +177,11 @@ class PowerGossip(PeriodicGossip):
 
     def _extra_state(self):
         return {**super()._extra_state(), "q": {j: q.clone() for j, q in self.q.items()}}
+
+    def _resize_rules(self):
+        """On a resize the per-edge Q of the power iteration is re-derived for the new graph's edges (as at
+        construction)."""
+        return {**super()._resize_rules(), "extra.q": fresh}
 
     def _load_extra_state(self, extra):
         if sorted(extra["q"]) != sorted(self.q) or any(extra["q"][j].shape != q.shape for j, q in self.q.items()):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
+from ..resize import share_of_sum
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import ShardOfFlat, TwoLevelConfig, group_layers, mean_over_ranks, two_level_for
 from .bucketed import BucketedPowerSGD
@@ -78,6 +79,7 @@ class PowerSGD(LaunchedTraffic, Algorithm):
     centralized = True
     clips_average = True
     takes_optimizer = True
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -171,6 +173,11 @@ class PowerSGD(LaunchedTraffic, Algorithm):
         if self.error is not None:
             state["error"] = self.error.clone()
         return state
+
+    def _resize_rules(self):
+        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept). Q
+        (the same on every rank) is carried."""
+        return {**super()._resize_rules(), "extra.error": share_of_sum}
 
     def _load_extra_state(self, extra):
         if tuple(extra["q"].shape) != tuple(self.q.shape):

@@ -141,6 +141,12 @@ class MoniquaADPSGD(ADPSGD):
         self.record.summed(self.comm).summarise(self.comm.rank, "skip")
         super().close()
 
+    def resize_refusal(self) -> str:
+        """Moniqua on AD-PSGD cannot change world size (see the returned reason)."""
+        return ("moniqua_adpsgd cannot change world size: each rank's published message is a modulo code whose "
+                "decoding needs the peer-specific theta the old ranks agreed with their old peers, and a "
+                "re-encoded message would not match what those peers last read; resume at the saved size")
+
     def _extra_state(self):
         extra = {**super()._extra_state(), "record": self.record.state_dict()}
         if self.codec is not None:

@@ -53,6 +53,7 @@ class MoniquaD2(D2):
 
     name = "moniqua_d2"
     config_class = MoniquaD2Config
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

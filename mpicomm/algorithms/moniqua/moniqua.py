@@ -47,6 +47,8 @@ class Moniqua(Algorithm):
     name = "moniqua"
     config_class = MoniquaDPSGDConfig
     takes_optimizer = True
+    resize_family = "decentralized"
+    resize_sharded = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)

@@ -33,6 +33,7 @@ import torch
 
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
+from ..resize import onebit_server_errors, onebit_worker_errors
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
@@ -105,6 +106,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
 
     name = "apmsqueeze"
     config_class = APMSqueezeConfig
+    resize_sharded = True
     centralized = True
     clips_average = False
     takes_optimizer = False
@@ -233,6 +235,14 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         out = super()._extra_state()
         out.update(phase=self.phase, frozen=self._frozen, **self.onebit.state_dict())
         return out
+
+    def _resize_rules(self):
+        """On a resize the worker errors are re-split keeping their sum (sum / M each); the server errors, one chunk
+        per rank, are reassembled into the whole vector from their old owners and re-split by the new chunk
+        ownership."""
+        return {**super()._resize_rules(),
+                "extra.worker_error": onebit_worker_errors,
+                "extra.server_error": onebit_server_errors}
 
     def _load_extra_state(self, extra):
         if extra["phase"] != self.phase:

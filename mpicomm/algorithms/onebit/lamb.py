@@ -26,6 +26,7 @@ import torch
 
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
+from ..resize import onebit_server_errors, onebit_worker_errors
 from .average import check_float32, onebit_average_for
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
@@ -58,6 +59,7 @@ class OneBitLAMB(LAMB):
 
     name = "onebit_lamb"
     config_class = OneBitLAMBConfig
+    resize_sharded = True
     optimizer_refusal = ("1-bit LAMB's compressed momentum and frozen trust ratios are the method; set lr, "
                          "beta1, beta2, eps and weight_decay instead")
 
@@ -128,6 +130,14 @@ class OneBitLAMB(LAMB):
     def _extra_state(self):
         return {**super()._extra_state(), "v_fresh": self.v_fresh.clone(), "scaling": self.scaling.clone(),
                 "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
+
+    def _resize_rules(self):
+        """On a resize the worker errors are re-split keeping their sum (sum / M each); the server errors, one chunk
+        per rank, are reassembled into the whole vector from their old owners and re-split by the new chunk
+        ownership."""
+        return {**super()._resize_rules(),
+                "extra.worker_error": onebit_worker_errors,
+                "extra.server_error": onebit_server_errors}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

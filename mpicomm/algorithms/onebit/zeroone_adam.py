@@ -29,6 +29,7 @@ import torch
 
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
+from ..resize import onebit_server_errors, onebit_worker_errors
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import check_float32, onebit_average_for
 
@@ -67,6 +68,7 @@ class ZeroOneAdam(Algorithm):
 
     name = "zeroone_adam"
     config_class = ZeroOneAdamConfig
+    resize_sharded = True
     centralized = True
     optimizer_refusal = ("0/1 Adam's frozen variance and local steps are the method; set lr, beta1, beta2, eps "
                          "and weight_decay instead")
@@ -157,6 +159,14 @@ class ZeroOneAdam(Algorithm):
         return {"m": self.m.clone(), "v": self.v.clone(), "u": self.u.clone(), "synced": self.synced.clone(),
                 "denom": self._denom.clone(), "schedule": dict(self.schedule), "counts": dict(self.counts),
                 **self.onebit.state_dict()}
+
+    def _resize_rules(self):
+        """On a resize the worker errors are re-split keeping their sum (sum / M each); the server errors, one chunk
+        per rank, are reassembled into the whole vector from their old owners and re-split by the new chunk
+        ownership."""
+        return {**super()._resize_rules(),
+                "extra.worker_error": onebit_worker_errors,
+                "extra.server_error": onebit_server_errors}
 
     def _load_extra_state(self, extra):
         self.onebit.load_state_dict(extra)

@@ -56,6 +56,8 @@ class OrderConfig(AlgorithmConfig):
 class PeriodicGossip(Algorithm):
     """Local torch SGD steps with a gossip round every ``config.period``-th step (1 without that field)."""
 
+    resize_family = "decentralized"
+
     takes_optimizer = True
 
     def __init__(self, model, comm, config=None):

@@ -1,0 +1,127 @@
+"""An MPI job for tests/test_resize.py: save every algorithm's checkpoint at N ranks, or resume them at M.
+
+usage: mpiexec -n N python -m mpi4py tests/resize_job.py save DIR
+       mpiexec -n M python -m mpi4py tests/resize_job.py load DIR OUT.json [SAVE_DIR]
+
+``save``: each algorithm of :data:`ALGOS` trains :data:`STEPS` steps on the tiny MLP of ``algo_common`` and is
+saved with ``mpicomm.save`` under ``DIR/<name>``. ``load``: each is rebuilt at this job's size, restored with
+``mpicomm.restore``, and rank 0 writes for each what the tests check: the saved ranks' states (read serially
+from the checkpoint) against every new rank's restored state, and the loss of the averaged model before and
+after :data:`MORE` further steps; with ``SAVE_DIR`` each is then saved there (at M ranks, for a further resize).
+"""
+
+import json
+import os
+import sys
+
+import torch
+from mpi4py import MPI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import mpicomm  # noqa: E402
+from mpicomm import topology  # noqa: E402
+from mpicomm.algorithms import make_algorithm  # noqa: E402
+from mpicomm.checkpoint.store import read_index, read_rank_entry  # noqa: E402
+from mpicomm.comm import Communicator  # noqa: E402
+from tests.algo_common import batch, make_model  # noqa: E402
+
+STEPS, MORE, LR = 4, 6, 0.1
+ALGOS = {
+    "allreduce_sgd": {"momentum": 0.9},
+    "ef_signsgd": {},
+    "powersgd": {"warmup_steps": 2, "min_compression_rate": 1.0, "momentum": 0.9},
+    "apmsqueeze": {"warmup_steps": 2, "total_steps": 40, "lr": 0.01},
+    "dpsgd": {"momentum": 0.9},
+    "moniqua": {"bits": 2},
+    "choco": {"codec": "sign"},
+    "cpdsgdm": {"period": 2},
+    "adpsgd": {},
+    "diloco": {"period": 3, "codec": "uniform", "codec_options": {"bits": 4}},
+    "streaming_diloco": {"period": 4, "fragments": 2, "delay": 1},
+}
+OWN_LR = {"apmsqueeze", "ef_signsgd"}
+
+
+def build(name: str, world) -> object:
+    """The algorithm ``name`` around the tiny MLP on a ring of this job's ranks."""
+    options = dict(ALGOS[name])
+    options.setdefault("lr", LR)
+    model = make_model(0)
+    return make_algorithm(name, model, Communicator(world, topology.ring(world.Get_size())), **options)
+
+
+def train(algo, steps: int, start: int) -> None:
+    """``steps`` steps of every rank on its own batches (the step number is the batch index)."""
+    rank = algo.comm.rank
+    for step in range(start, start + steps):
+        algo.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.cross_entropy(algo.model(x), y).backward()
+        algo.step()
+
+
+def averaged_loss(algo) -> float:
+    """Collective: the cross-entropy of the averaged model over every rank's fixed evaluation batch."""
+    with algo.averaged_model() as model, torch.no_grad():
+        x, y = batch(algo.comm.rank, 10_000)
+        local = torch.tensor([float(torch.nn.functional.cross_entropy(model(x), y))], dtype=torch.float64)
+    return float(algo.comm.allreduce(local)[0]) / algo.comm.size
+
+
+def plain(value):
+    """Tensors as nested lists (float64), for JSON."""
+    if torch.is_tensor(value):
+        return value.double().tolist() if value.is_floating_point() else value.tolist()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def saved_states(path: str) -> list:
+    """Every saved rank's algorithm state, read serially."""
+    directory, meta, save_id = read_index(path)
+    return [read_rank_entry(directory, r, meta, save_id, ("algorithm",)) for r in range(meta["world_size"])]
+
+
+def load_one(name: str, root: str, world, save_root: str | None) -> dict:
+    """Restore ``name`` at this size, train on (and save to ``save_root``); rank 0 gets the saved and restored
+    states and the losses."""
+    algo = build(name, world)
+    step, _ = mpicomm.restore(os.path.join(root, name), algo)
+    restored = algo.state_dict()
+    before = averaged_loss(algo)
+    train(algo, MORE, step)
+    after = averaged_loss(algo)
+    if save_root:
+        mpicomm.save(os.path.join(save_root, name), algo, step=step + MORE)
+    algo.close()
+    everyone = world.gather(plain(restored), root=0)
+    if world.Get_rank() != 0:
+        return {}
+    return {"saved": plain(saved_states(os.path.join(root, name))), "restored": everyone, "step": step,
+            "before": before, "after": after}
+
+
+def main() -> None:
+    world = MPI.COMM_WORLD
+    mode, root = sys.argv[1], sys.argv[2]
+    results = {}
+    for name in ALGOS:
+        if mode == "save":
+            algo = build(name, world)
+            train(algo, STEPS, 0)
+            mpicomm.save(os.path.join(root, name), algo, step=STEPS)
+            algo.close()
+        else:
+            results[name] = load_one(name, root, world, sys.argv[4] if len(sys.argv) > 4 else None)
+    if mode == "load" and world.Get_rank() == 0:
+        with open(sys.argv[3], "w") as f:
+            json.dump({"size": world.Get_size(), "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
