@@ -37,7 +37,7 @@ def build_parser():
     p.add_argument("--model", default="resnet20", help=f"one of {', '.join(sorted(MODELS))}")
     p.add_argument("--norm", default="batch", choices=["batch", "group"],
                    help="the model's normalisation layers: BatchNorm, or GroupNorm (no running statistics)")
-    p.add_argument("--dataset", default="", choices=["", *DATASETS],
+    p.add_argument("--dataset", default="", choices=["", *DATASETS], metavar="{" + ",".join(DATASETS) + "}",
                    help="digits (embedded, 1,438 training images), mnist (60,000; fetched once by the set-up: "
                         "python apps/fetch_data.py mnist) or cifar10 (needs --data-dir); "
                         "default: cifar10 with --data-dir, else digits")

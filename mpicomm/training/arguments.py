@@ -41,9 +41,20 @@ class OptionRefused(ValueError):
     """An option the command line cannot take, refused before anything starts (the app prints one line)."""
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``(default: X)`` after an option's help only where X says something: not for an empty or unset default
+    (the help says what that means), a flag's False, or a help that names its default already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, "", False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def app_parser(description: str, default_algorithm: str, epochs: int) -> argparse.ArgumentParser:
     """A parser with the options shared by every app (the app adds its own data/model options)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(description=description, formatter_class=DefaultsHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")

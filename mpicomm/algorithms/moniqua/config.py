@@ -36,8 +36,7 @@ class MoniquaConfig(AlgorithmConfig):
     worst-case bound rule), see :mod:`.theta`. "observed" is the default because the bound rule's factor
     t_mix grows with the ring, widening theta's grid; on full MNIST (ResNet-8, 1,500 steps, 2 seeds) the
     observed rule ends within 0.3 points of D-PSGD at 8 ranks (ring and exponential) and at 16 ranks on the
-    ring, with no wrap (``docs/results/scale.md``, where the bound rule's row and the 16-rank exponential
-    graph are still to be run).
+    ring, with no wrap (``docs/results/scale.md``).
     theta_per: "tensor" or "model" (one theta, the paper's).
     theta_c: C of the adaptive rule. theta_decay: per-step decay of its running step bound, in [0, 1].
     theta_shrink: the guard scale's factor on a clean step, in (0, 1]. theta_cap: the most the guard
@@ -91,11 +90,12 @@ class MoniquaDPSGDConfig(NodeGraphConfig, MoniquaConfig):
 
     overlap: encode and send the model in begin_step(), before the forward pass, and finish the mix in
     step() (bit for bit the blocking step; the first step under an adaptive or observed theta exchanges
-    blocking). Moniqua-D² and Moniqua-AD-PSGD have no overlap: D² sends x_{k+1/2}, which needs the
-    gradient, and AD-PSGD's pulls are asynchronous already. hierarchical: the node's exact average, then
-    Moniqua's round between nodes on each local rank's shard (not with overlap).
+    blocking). hierarchical: the node's exact average, then Moniqua's round between nodes on each local
+    rank's shard (not with overlap).
     """
 
+    # Moniqua-D² and Moniqua-AD-PSGD have no such option: D² sends x_{k+1/2}, which needs the gradient, and
+    # AD-PSGD's pulls are asynchronous already.
     overlap: bool = False
 
     def __post_init__(self):
