@@ -19,7 +19,9 @@ for extra in ${EXTRAS//,/ }; do
   [[ "$have" == "$want "* && ",$installed_extras," == *",$extra,"* ]] || missing=1
 done
 if [ -n "$missing" ]; then
-  [[ "$have" == "$want "* ]] && EXTRAS="$installed_extras,$EXTRAS"   # keep what is there
+  if [[ "$have" == "$want "* ]]; then   # keep what is there, each extra named once
+    EXTRAS=$(printf '%s\n' ${installed_extras//,/ } ${EXTRAS//,/ } | awk '!seen[$0]++' | paste -sd, -)
+  fi
   echo "setting up .venv ($TORCH_SPEC, mpicomm[$EXTRAS]); log in .venv/install.log"
   {
     .venv/bin/python -m pip install --upgrade pip &&

@@ -24,7 +24,7 @@ selected=()
 while [ $# -gt 0 ] && [[ " ${ALL_TIERS[*]} quick " == *" $1 "* ]]; do selected+=("$1"); shift; done
 [ ${#selected[@]} -gt 0 ] || selected=("${ALL_TIERS[@]}")
 wanted() { [[ " ${selected[*]} " == *" $1 "* ]]; }
-scripts/setup_env.sh || exit 1
+[ -n "${MPICOMM_NETNS:-}" ] || scripts/setup_env.sh || exit 1   # once: not again inside the namespace
 if [ -z "${MPICOMM_NETNS:-}" ] && { wanted slurm || wanted serial; }; then
   scripts/install_slurm.sh   # SLURM + h5ls from Debian, as root (needs the network)
 fi
