@@ -1,8 +1,8 @@
 """The peers' idiom with mpicomm: your model, your AdamW with two parameter groups, a cosine scheduler,
 gradient clipping and accumulation, under any algorithm that takes an optimizer.
 
-    mpiexec -n 4 python examples/peers_idiom.py                 # AllReduce: same maths as one process
-    mpiexec -n 4 python examples/peers_idiom.py --algorithm moniqua
+    mpiexec -n 2 python examples/peers_idiom.py                 # AllReduce: same maths as one process
+    mpiexec -n 2 python examples/peers_idiom.py --algorithm moniqua
 
 Each rank fits its own shard of a synthetic regression problem. With ``allreduce_sgd`` the run equals
 one process training on all ranks' micro-batches at once (``reference`` below; the test checks it).

@@ -1,7 +1,7 @@
 """Your own training loop on mpicomm: a DataLoader over this rank's share, Moniqua at about 1 bit per parameter.
 
-    mpiexec -n 4 python examples/plain_loop.py                     # Moniqua on a ring
-    mpiexec -n 4 python examples/plain_loop.py --algorithm dpsgd   # full-precision gossip, to compare
+    mpiexec -n 2 python examples/plain_loop.py                     # Moniqua on a ring
+    mpiexec -n 2 python examples/plain_loop.py --algorithm dpsgd   # full-precision gossip, to compare
 
 A small MLP on scikit-learn's handwritten digits (they ship inside the package: nothing to download);
 prints the test accuracy of the average of the ranks' models.

@@ -55,8 +55,13 @@ def main(argv=None) -> torch.Tensor:
         algo.step()
         scheduler.step()
         if step + 1 == args.stop_at:
-            mpicomm.save(args.out_dir, algo, step=step + 1, scheduler=scheduler.state_dict())
+            where = mpicomm.save(args.out_dir, algo, step=step + 1, scheduler=scheduler.state_dict())
+            if job.rank == 0:
+                print(f"stopped after step {step + 1}; checkpoint {where} (run again without --stop-at to resume)")
             break
+    else:
+        if job.rank == 0:
+            print(f"finished step {args.steps}")
     return algo.flat.data.clone()
 
 
