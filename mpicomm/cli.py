@@ -1,8 +1,8 @@
-"""The ``mpicomm`` command: ``demo``, ``plot``, ``export`` and ``slurm`` (training itself runs through ``apps/``).
+"""The ``mpicomm`` command: ``demo``, ``plot``, ``export``, ``slurm`` and ``plan`` (training runs through ``apps/``).
 
 Launch under MPI as ``mpiexec -n 4 mpicomm demo``. The entry point aborts the whole job when any
-rank raises, so a failure never leaves other ranks blocked in a collective. ``plot``, ``export`` and
-``slurm`` run without MPI.
+rank raises, so a failure never leaves other ranks blocked in a collective. ``plot``, ``export``,
+``slurm`` and ``plan`` run without MPI.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
             cmd.add_argument("--sbatch-arg", action="append", default=[], help="extra argument for sbatch")
     slurm_sub.add_parser("regenerate", help="rewrite slurm/<preset>.sbatch from slurm/generic.sbatch")
+    from .plan.command import add_arguments as plan_arguments
+
+    plan_arguments(sub.add_parser("plan", help="rank the methods and settings by predicted step time (no MPI)"))
     return parser
 
 
@@ -83,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         from .export.command import main as export_main
 
         return export_main(args)
+    if args.command == "plan":
+        from .plan.command import main as plan_main
+
+        try:
+            print(plan_main(args))
+        except ValueError as exc:
+            return _refuse("plan", exc)
+        return 0
     if args.command == "plot":
         from .training.plot import plot_runs
 

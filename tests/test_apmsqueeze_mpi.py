@@ -11,6 +11,7 @@ from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
 from mpicomm.codecs import SignCodec
 from mpicomm.comm import Communicator
+from mpicomm.plan.wire import apmsqueeze_chunk_payload
 
 from . import noisy_lsq
 from .algo_common import grad_at, initial_flat, make_model, train
@@ -174,8 +175,7 @@ def test_bytes_per_phase_match_the_formula(comm, variant):
         n = comm.Get_size()
         algo = make_algorithm("apmsqueeze", _wide_model(), _comm(comm), lr=0.01, warmup_steps=2, variant=variant)
         d = algo.flat.numel
-        L = 8 * math.ceil(d / (8 * n))
-        P = 4 + L // 8                                   # one float32 scale + L sign bits
+        L, P = apmsqueeze_chunk_payload(d, n)            # L = 8 ceil(d / 8n); P = one float32 scale + L sign bits
         ledger = algo.comm.ledger
         _wide_train(algo, 2)
         warm = algo.stats()

@@ -10,6 +10,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.algorithms.shared.allgather_sum import tree_sum
 from mpicomm.codecs import QSGDCodec, TernGradCodec
 from mpicomm.comm import Communicator
+from mpicomm.plan.wire import ef_signsgd_payload, qsgd_payload, signsgd_payload, terngrad_payload
 
 from .algo_common import grad_at, initial_flat, make_model, train
 from .conftest import run_all
@@ -123,11 +124,11 @@ def test_tree_sum_adds_in_recursive_doubling_order(comm):
 
 
 WIRE = [
-    ("qsgd", {"bits": 2, "bucket_size": 16}, lambda d: 4 * math.ceil(d / 16) + math.ceil(2 * d / 8)),
-    ("qsgd", {"bits": 8, "bucket_size": 512}, lambda d: 4 + d),
-    ("terngrad", {}, lambda d: 4 + math.ceil(2 * d / 8)),
-    ("signsgd", {}, lambda d: math.ceil(d / 8)),
-    ("ef_signsgd", {}, lambda d: 4 + math.ceil(d / 8)),
+    ("qsgd", {"bits": 2, "bucket_size": 16}, lambda d: qsgd_payload(d, 2, 16)),
+    ("qsgd", {"bits": 8, "bucket_size": 512}, lambda d: qsgd_payload(d, 8, 512)),
+    ("terngrad", {}, terngrad_payload),
+    ("signsgd", {}, signsgd_payload),
+    ("ef_signsgd", {}, ef_signsgd_payload),
     ("compressed_sgd", {"codec": "identity"}, lambda d: 4 * d),
     ("compressed_sgd", {"codec": "fp16"}, lambda d: 2 * d),
     ("compressed_sgd", {"codec": "qsgd", "codec_options": {"bits": 4, "bucket_size": 32}},

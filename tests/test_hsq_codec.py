@@ -14,6 +14,7 @@ from mpicomm.codecs.hsq import (
     index_bits,
     inverse_cdf_sample,
 )
+from mpicomm.plan.wire import hsq_payload
 
 KINDS = ("gaussian", "kmeans", "orthonormal", "rotation", "identity")
 
@@ -24,15 +25,7 @@ def ceil(a, b):
 
 def formula_bytes(sizes, d, k, n_bit, min_compress):
     """Independent payload size: raw 4*D, compressed 8 + ceil(N*n_bit/8) + ceil(N*ceil(log2 K)/8)."""
-    b = math.ceil(math.log2(k))
-    total = 0
-    for size in sizes:
-        if size <= min_compress:
-            total += 4 * size
-        else:
-            n = ceil(size, d)
-            total += 8 + ceil(n * n_bit, 8) + ceil(n * b, 8)
-    return total
+    return hsq_payload(sizes, d, k, n_bit, min_compress)
 
 
 # ---- codebooks ------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 the average, the dither agrees across processes, wire bytes == formula, memory, convergence, N + N == 2N."""
 
 import logging
-import math
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from mpicomm.algorithms import make_algorithm
 from mpicomm.algorithms.moniqua import ThetaBoundError
 from mpicomm.codecs.moniqua import dither, stream_key
 from mpicomm.comm import Communicator
+from mpicomm.plan.wire import moniqua_message_bytes
 from mpicomm.topology import Topology
 
 from . import lsq_problem as lsq
@@ -89,8 +89,7 @@ def test_identity_with_gamma_one_is_dpsgd_bit_for_bit(comm):
 
 def message_bytes(bits: int, parts: int) -> int:
     """4 T header bytes + one slot of ceil(ceil(n_l / P) b / 8) bytes per tensor, rounded up to 4."""
-    raw = 4 * len(LAYER_SIZES) + sum(math.ceil(math.ceil(n / parts) * bits / 8) for n in LAYER_SIZES)
-    return 4 * math.ceil(raw / 4)
+    return moniqua_message_bytes(LAYER_SIZES, bits, parts)
 
 
 @pytest.mark.parametrize("bits,parts,theta", [(4, 4, "adaptive"), (1, 1, 5.0), (2, 3, 5.0), (8, 2, "adaptive"),

@@ -1,0 +1,117 @@
+"""The accuracy each candidate cost in the project's own measured runs (``docs/results/*.json``).
+
+The cost is in points of test accuracy: the full-precision baseline's mean less the method's, both from
+the same file and run set (negative: the method ended higher). Sources, best first:
+
+* ``scale.json``: full MNIST, ResNet-8, 8 ranks on the ring, 1,500 steps, 2 seeds. Baseline AllReduce-SGD
+  (APMSqueeze: AllReduce-Adam, the same optimizer at full precision). Its seed-to-seed spread is about
+  0.1-0.3 points, so differences below ~0.3 points are noise.
+* ``peers_resnet.json``: ResNet-20 on digits, 4 ranks, 2 seeds, short runs (PowerSGD against AllReduce-SGD).
+* ``time_to_accuracy.json``: ResNet-20 on digits, 4 ranks, 6 epochs, one seed (PD-SGDM against AllReduce-SGD).
+
+A candidate without a row is "unmeasured". The files are read from the checkout's ``docs/results``
+(``MPICOMM_RESULTS_DIR`` elsewhere); missing files leave their candidates unmeasured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["NOISE_POINTS", "AccuracyCost", "accuracy_costs", "results_dir"]
+
+NOISE_POINTS = 0.3
+"""Seed-to-seed noise of the measured accuracies (points), the default tolerance of the automatic choice."""
+
+_SCALE = {  # candidate -> (part, method, baseline method), 8 ranks, ring
+    "allreduce_sgd": ("centralized", "AllReduce-SGD", "AllReduce-SGD"),
+    "dpsgd": ("decentralized", "D-PSGD", "AllReduce-SGD"),
+    "moniqua": ("decentralized", "Moniqua default", "AllReduce-SGD"),
+    "choco_qsgd4": ("decentralized", "CHOCO qsgd 4-bit", "AllReduce-SGD"),
+    "dcd_qsgd4": ("decentralized", "DCD qsgd 4-bit", "AllReduce-SGD"),
+    "cpdsgdm_p4": ("scaling", "CPD-SGDM qsgd 4-bit p=4", "AllReduce-SGD"),
+    "hsq": ("centralized", "HSQ d=16", "AllReduce-SGD"),
+    "apmsqueeze": ("centralized", "APMSqueeze", "AllReduce-Adam"),
+    "diloco_h10": ("local", "DiLoCo H=10", "AllReduce-SGD"),
+    "sparseloco_h10": ("local", "SparseLoCo H=10", "AllReduce-SGD"),
+}
+_PEERS = {"powersgd_r2": "PowerSGD r=2", "powersgd_r4": "PowerSGD r=4"}
+_TTA = {"pdsgdm_p4": "PD-SGDM p=4"}
+
+
+@dataclass(frozen=True)
+class AccuracyCost:
+    """``points`` lost against the baseline (None: unmeasured) and ``source`` (the file and what was run)."""
+
+    points: float | None
+    source: str
+
+    @property
+    def measured(self) -> bool:
+        """Whether a measurement exists."""
+        return self.points is not None
+
+
+UNMEASURED = AccuracyCost(None, "unmeasured")
+
+
+def results_dir() -> Path:
+    """The folder of the measured results."""
+    default = Path(__file__).resolve().parents[2] / "docs" / "results"
+    return Path(os.environ.get("MPICOMM_RESULTS_DIR", default))
+
+
+def _load(name: str):
+    try:
+        return json.loads((results_dir() / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _scale(costs: dict) -> None:
+    data = _load("scale.json")
+    if data is None:
+        return
+    means = {(r["part"], r["method"]): 100 * r["mean"] for r in data["rows"]
+             if r.get("ranks") == 8 and r.get("topology") == "ring"}
+    for key, (part, method, baseline) in _SCALE.items():
+        if (part, method) in means and ("centralized", baseline) in means:
+            costs[key] = AccuracyCost(round(means[("centralized", baseline)] - means[(part, method)], 2),
+                                      f"scale.json: MNIST ResNet-8, 8 ranks, 2 seeds, vs {baseline}")
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def _peers(costs: dict) -> None:
+    data = _load("peers_resnet.json")
+    if data is None:
+        return
+    finals = {r["case"]: _mean(r["finals"]) for r in data["rows"] if r.get("setting") == "gbit"}
+    for key, case in _PEERS.items():
+        if case in finals and "AllReduce-SGD" in finals:
+            costs[key] = AccuracyCost(round(finals["AllReduce-SGD"] - finals[case], 2),
+                                      "peers_resnet.json: digits ResNet-20, 4 ranks, 2 seeds, vs AllReduce-SGD")
+
+
+def _time_to_accuracy(costs: dict) -> None:
+    data = _load("time_to_accuracy.json")
+    if data is None:
+        return
+    finals = {r["case"]: 100 * r["final_test_accuracy"] for r in data["rows"] if r.get("setting") == "gbit"}
+    for key, case in _TTA.items():
+        if case in finals and "AllReduce-SGD" in finals:
+            costs[key] = AccuracyCost(round(finals["AllReduce-SGD"] - finals[case], 2),
+                                      "time_to_accuracy.json: digits ResNet-20, 4 ranks, 1 seed, vs AllReduce-SGD")
+
+
+def accuracy_costs() -> dict[str, AccuracyCost]:
+    """Candidate key -> its measured :class:`AccuracyCost` (keys without a measurement are absent)."""
+    costs: dict[str, AccuracyCost] = {}
+    _time_to_accuracy(costs)
+    _peers(costs)
+    _scale(costs)
+    return costs

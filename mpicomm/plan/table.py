@@ -1,0 +1,52 @@
+"""The text ``mpicomm plan`` prints: the ranked table, its sources, and the automatic choice."""
+
+from __future__ import annotations
+
+__all__ = ["format_plan"]
+
+_HEAD = ("#", "method", "setting", "bits/param", "MB/step", "comm ms", "exposed ms", "overlapped ms", "codec ms",
+         "step ms", "speed-up", "samples/s", "scaling eff.", "acc. cost (points)")
+
+
+def _row(i: int, p, sources: list[str]) -> tuple[str, ...]:
+    c = p.candidate
+    if p.accuracy.measured:
+        if p.accuracy.source not in sources:
+            sources.append(p.accuracy.source)
+        acc = f"{p.accuracy.points:+.2f} [{sources.index(p.accuracy.source) + 1}]"
+    else:
+        acc = "unmeasured"
+    return (str(i), c.algorithm, c.setting, f"{p.bits_per_param:.2f}", f"{p.sent_per_step / 1e6:.3f}",
+            f"{1e3 * p.comm_s:.2f}", f"{1e3 * p.exposed_s:.2f}",
+            f"{1e3 * p.exposed_overlap_s:.2f}" if c.overlap else "-", f"{1e3 * p.work_s:.2f}",
+            f"{1e3 * p.step_s:.2f}", f"{p.speedup:.2f}x", f"{p.throughput:,.0f}", f"{100 * p.efficiency:.0f} %", acc)
+
+
+def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") -> str:
+    """The ranked table of ``preds`` for ``job``, the accuracy sources, then the choice and its reason (or the
+    ``refusal``)."""
+    sources: list[str] = []
+    rows = [_HEAD] + [_row(i, p, sources) for i, p in enumerate(preds, 1)]
+    widths = [max(len(r[k]) for r in rows) for k in range(len(_HEAD))]
+    lines = [f"{job.numel:,} parameters, {job.ranks} ranks ({job.ranks_per_node} per node), --net {job.net} "
+             f"(priced on the {job.link} link), compute {1e3 * job.step_time:.1f} ms/step, "
+             f"batch {job.batch_size} per rank", ""]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if j in (1, 2) else cell.rjust(w)
+                               for j, (cell, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines += [f"[{i}] docs/results/{s}" for i, s in enumerate(sources, 1)]
+    lines.append("MB/step: bytes sent per step and rank (the Ledger's count), averaged over a period; "
+                 "exposed: communication not hidden; overlapped: with overlap=True (backward = 2/3 of compute).")
+    if choice is not None:
+        c = choice.candidate
+        options = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
+        if c.overlap and choice.exposed_overlap_s < choice.exposed_s:
+            options = ", ".join(x for x in (options, "overlap=True") if x)
+        lines += ["", f"auto: {c.algorithm} ({c.setting})" + (f" with {options}" if options else ""),
+                  f"  why: {reason}"]
+    elif refusal:
+        lines += ["", f"auto: none: {refusal}"]
+    return "\n".join(lines)
