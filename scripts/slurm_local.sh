@@ -18,6 +18,9 @@ chown munge:munge "$RUN/munge/munge.key"; chmod 400 "$RUN/munge/munge.key"
 # the preemption test waits for that rather than releasing the job early, which hit the revoked credential.
 # sched_interval/bf_interval=2: the requeued job starts within 2 s of becoming eligible (the main scheduling
 # pass runs every 60 s by default, and an eligible job waited for it).
+# CPUs: at least 4, so a 4-task job fits on this one node whatever its core count (config_overrides: slurmd
+# takes the configured count rather than draining the node for having fewer cores than configured).
+CPUS=$(getconf _NPROCESSORS_ONLN); [ "$CPUS" -ge 4 ] || CPUS=4
 cat > "$RUN/slurm.conf" <<CONF
 ClusterName=mpicomm
 SlurmctldHost=localhost(127.0.0.1)
@@ -42,7 +45,8 @@ MpiDefault=pmi2
 ReturnToService=2
 MinJobAge=600
 SchedulerParameters=sched_interval=2,bf_interval=2
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$(getconf _NPROCESSORS_ONLN) State=UNKNOWN
+SlurmdParameters=config_overrides
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
 # cgroup autodetection fails in containers ("No filesystem mounted on /sys/fs/cgroup"): name v1 explicitly

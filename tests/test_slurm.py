@@ -1,9 +1,11 @@
-"""Rendered templates on a real SLURM: a job completes; a signalled job checkpoints, requeues, resumes exactly.
+"""Rendered templates on a real SLURM: a job completes; a signalled job checkpoints, requeues, resumes exactly;
+a requeued job resized while it waits continues its checkpoint at the new size.
 
 Runs only inside ``scripts/slurm_local.sh`` (which brings up munge + slurmctld + slurmd on loopback and
 exports ``SLURM_CONF``); ``scripts/test.sh`` does that as root. Elsewhere these tests skip with the reason.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -25,11 +27,11 @@ pytestmark = [
 STEPS = 12
 
 
-def _job_text(out_dir: str, save_every: int, extra: str = "") -> str:
+def _job_text(out_dir: str, save_every: int, extra: str = "", tasks: int = 2) -> str:
     with open(os.path.join(repo_slurm_dir(), "generic.sbatch")) as f:
         generic = f.read()
     return render(generic, {
-        "job-name": "ci", "ntasks-per-node": "2", "cpus-per-task": "1", "time": "10",
+        "job-name": "ci", "ntasks-per-node": str(tasks), "cpus-per-task": "1", "time": "10",
         "output": f"{out_dir}/job-%j.out", "error": f"{out_dir}/job-%j.out",
         "APP": "apps/train_resnet.py", "ALGORITHM": "moniqua", "EPOCHS": "1", "OUT_DIR": out_dir,
         "SAVE_EVERY": str(save_every),
@@ -40,13 +42,13 @@ def _job_text(out_dir: str, save_every: int, extra: str = "") -> str:
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "") -> tuple[int, str]:
-    """Submit the job; with ``wait``, return once it has completed (polled twice a second: ``sbatch --wait``
-    polls at 2, 10 and 42 s, so a 12-second job would hold the test for 42)."""
+def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "", tasks: int = 2) -> tuple[int, str]:
+    """Submit the job (``tasks`` ranks on the one node); with ``wait``, return once it has completed (polled
+    twice a second: ``sbatch --wait`` polls at 2, 10 and 42 s, so a 12-second job would hold the test for 42)."""
     out_dir = str(tmp_path / name)
     os.makedirs(out_dir)
     job = tmp_path / f"{name}.sbatch"
-    job.write_text(_job_text(out_dir, save_every, extra))
+    job.write_text(_job_text(out_dir, save_every, extra, tasks))
     proc = subprocess.run(["sbatch", "--parsable", str(job)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = int(proc.stdout.strip().split(";")[0])
@@ -105,6 +107,36 @@ def _final_params(out_dir: str) -> list:
         return [f[f"ranks/{r:05d}/algorithm/params"][()] for r in range(int(f["meta/world_size"][()]))]
 
 
+def _job_log(out_dir: str) -> str:
+    """The job's output (every start of it appends to the same file)."""
+    return "".join(open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir) if f.startswith("job-"))
+
+
+def _signal_mid_run(job_id: int, out_dir: str) -> None:
+    """Send the job SIGUSR1 once training is under way (step 3 logged: the stop handlers are installed)."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+
+    def under_way():
+        return os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3
+                                               for r in read_metrics(metrics))
+
+    if not _poll(under_way, 240):
+        pytest.fail(f"the job never reached step 3; queue:\n{_queue()}\n" + _diagnose(out_dir))
+    subprocess.run(["scancel", "--signal=USR1", str(job_id)], check=True)
+
+
+def _wait_completed(job_id: int, out_dir: str) -> None:
+    """Wait (at most 300 s) until the job is COMPLETED and its metrics end at the last step."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+
+    def finished():
+        return _job_field(job_id, "JobState") == "COMPLETED" and any(
+            r.get("event") == "end" and r["step"] == STEPS for r in read_metrics(metrics))
+
+    if not _poll(finished, 300, every=1):
+        pytest.fail(f"job state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir, job_id=job_id))
+
+
 @pytest.fixture(scope="module")
 def plain_job(tmp_path_factory):
     """One uninterrupted job of the template, run once: checked on its own, and the reference the preempted
@@ -135,31 +167,53 @@ def test_signalled_job_checkpoints_requeues_and_resumes_exactly(tmp_path, plain_
     # sleeps), so the signal reliably arrives mid-run however fast this machine is.
     job_id, out_dir = _submit(tmp_path, "preempted", save_every=6, wait=False, extra="--net 1gbit,500ms")
     metrics = os.path.join(out_dir, "metrics.jsonl")
-
-    def under_way():  # training has begun, so the stop handlers are installed
-        return os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3
-                                               for r in read_metrics(metrics))
-
-    def finished():
-        return _job_field(job_id, "JobState") == "COMPLETED" and any(
-            r.get("event") == "end" and r["step"] == STEPS for r in read_metrics(metrics))
-
-    if not _poll(under_way, 240):
-        pytest.fail(f"the job never reached step 3; queue:\n{_queue()}\n" + _diagnose(out_dir))
-    subprocess.run(["scancel", "--signal=USR1", str(job_id)], check=True)
+    _signal_mid_run(job_id, out_dir)
     # Slurm holds a requeued job for its credential lifetime (Reason=BeginTime; AuthInfo cred_expire, 120 s by
     # default, 30 s in scripts/slurm_local.sh). Releasing it sooner by hand (StartTime=now) raced the revoked
     # credential of its first run: "Killing non-startable batch job: Job credential revoked", job FAILED.
-    if not _poll(finished, 300, every=1):
-        pytest.fail(f"job state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir, job_id=job_id))
+    _wait_completed(job_id, out_dir)
     records = read_metrics(metrics)
     stopped = [r for r in records if r.get("event") == "stopped"]
     assert stopped and 3 <= stopped[0]["step"] < STEPS, _diagnose(out_dir, job_id=job_id)
-    assert "mpicomm: requeueing job" in "".join(open(os.path.join(out_dir, f)).read() for f in os.listdir(out_dir)
-                                                if f.startswith("job-")), _diagnose(out_dir, job_id=job_id)
+    assert "mpicomm: requeueing job" in _job_log(out_dir), _diagnose(out_dir, job_id=job_id)
     assert int(_job_field(job_id, "Restarts") or 0) >= 1
     assert not os.path.exists(os.path.join(out_dir, "requeue")), "the job script left its requeue marker"
     assert [r["resumed_from"] for r in records if r.get("event") == "start"][-1], "second run did not resume"
     for mine, reference in zip(_final_params(out_dir), _final_params(reference_dir)):
         assert (mine == reference).all(), "resumed run differs from the uninterrupted one"
     assert reference_id != job_id
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("new_size", [2, 3])
+def test_requeued_job_resized_while_pending_continues_at_the_new_size(tmp_path, new_size):
+    """4 ranks, signalled mid-run; while the requeued job waits its size is changed (as an admin or the user
+    would when fewer nodes are free) and its next start continues the 4-rank checkpoint at ``new_size``."""
+    job_id, out_dir = _submit(tmp_path, f"resized{new_size}", save_every=6, wait=False,
+                              extra="--net 1gbit,500ms", tasks=4)
+    _signal_mid_run(job_id, out_dir)
+
+    def requeued():  # pending again after its first run (held for the credential lifetime, see above)
+        return _job_field(job_id, "JobState") == "PENDING" and int(_job_field(job_id, "Restarts") or 0) >= 1
+
+    if not _poll(requeued, 240):
+        pytest.fail(f"job not requeued; state {_job_field(job_id, 'JobState')}: " + _diagnose(out_dir, job_id=job_id))
+    # Slurm 22.05 takes a pending job's size as these fields; MinCPUsNode (sbatch set it to 4 tasks x 1 CPU)
+    # must shrink too, else the job keeps 4 CPUs for its fewer tasks.
+    size = str(new_size)
+    update = ["scontrol", "update", f"JobId={job_id}", "NumNodes=1", f"NumTasks={size}", f"TasksPerNode={size}",
+              f"MinCPUsNode={size}"]
+    proc = subprocess.run(update, capture_output=True, text=True)
+    assert proc.returncode == 0 and _job_field(job_id, "NumTasks") == size, proc.stderr + _queue()
+    _wait_completed(job_id, out_dir)
+
+    records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    resize = [r for r in records if r.get("event") == "resize"]
+    assert len(resize) == 1, _diagnose(out_dir, job_id=job_id)
+    assert (resize[0]["old_size"], resize[0]["new_size"], resize[0]["rule"]) == (4, new_size, "decentralized")
+    assert [r["ranks"] for r in records if r.get("event") == "start"] == [4, new_size]
+    assert f"(saved at 4 ranks, continued at {new_size})" in _job_log(out_dir), _diagnose(out_dir, job_id=job_id)
+    after = [r for r in records if r.get("event") == "train" and r["step"] > resize[0]["step"]]
+    assert [r["step"] for r in after] == list(range(resize[0]["step"] + 1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in after), [r["loss"] for r in after]
+    assert len(_final_params(out_dir)) == new_size  # the last checkpoint: step STEPS, written by new_size ranks
