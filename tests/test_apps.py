@@ -207,3 +207,16 @@ def test_interrupted_modelled_run_stops_cleanly_and_leaves_nothing_behind(tmp_pa
     assert stopped and stopped[0]["step"] < 40
     assert any(r["event"] == "checkpoint" for r in records)
     assert host_network() == before
+
+
+def test_slow_ranks_are_rank_factor_pairs():
+    """``--slow-ranks`` parses RANK:FACTOR pairs and refuses what is no slowdown (the bench sets it; its effect
+    on step times is measured there, not asserted here)."""
+    import argparse
+
+    from mpicomm.training.arguments import slowdowns
+
+    assert slowdowns("3:2,5:4") == ((3, 2.0), (5, 4.0))
+    for bad in ("3", "3:x", "-1:2", "1:0.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="RANK:FACTOR|factors >= 1"):
+            slowdowns(bad)

@@ -88,6 +88,9 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
                    help="end the job with one line when a rank waits this long in a collective (0: never; "
                         f"default: MPICOMM_HANG_TIMEOUT, else {DEFAULT_HANG_TIMEOUT_S:g})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--slow-ranks", type=slowdowns, default=(), metavar="RANK:FACTOR,...",
+                   help="make these ranks' compute FACTOR times slower (each step sleeps (FACTOR - 1) x its "
+                        "forward and backward time): a straggler, for measuring what a slow rank costs")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
@@ -110,6 +113,17 @@ def fractions(text: str) -> tuple[float, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions of the run such as 0.5,0.75, "
                                          f"got {text!r}") from None
+
+
+def slowdowns(text: str) -> tuple[tuple[int, float], ...]:
+    """``"3:2,5:4"`` -> ``((3, 2.0), (5, 4.0))``: argparse's type for ``--slow-ranks`` (rank:factor pairs)."""
+    try:
+        pairs = tuple((int(rank), float(factor)) for rank, factor in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR pairs such as 3:2 or 3:2,5:4, got {text!r}") from None
+    if any(rank < 0 or not factor >= 1 for rank, factor in pairs):
+        raise argparse.ArgumentTypeError(f"ranks must be >= 0 and factors >= 1, got {text!r}")
+    return pairs
 
 
 def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -162,6 +176,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         keep_last=args.keep_last, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, hang_timeout=args.hang_timeout,
+        slow_ranks=args.slow_ranks,
     )
 
 

@@ -119,6 +119,7 @@ class TrainConfig:
     accumulate: int = 1
     clip_grad_norm: float = 0.0
     hang_timeout: float | None = None
+    slow_ranks: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         for name in ("epochs", "log_every", "accumulate"):
@@ -374,6 +375,7 @@ class _Run:
         epoch, start = self.epoch, self.start
         blocked = slept = elapsed = 0.0
         step_loss, crossed_epoch = None, False
+        slowdown = dict(cfg.slow_ranks).get(self.rank, 1.0)
         if self.step == total:  # resumed from the end of the run: report where it ended
             self.console.info(f"the run had already finished at step {total}; nothing to train")
             last_eval = self._evaluate()
@@ -391,6 +393,8 @@ class _Run:
                 with self.precision.autocast():
                     loss, counts = task.loss(algo.model, to_device(batch, self.device))
                 self.precision.backward(loss)
+                if slowdown > 1:  # a straggler: this rank's compute takes slowdown times as long
+                    time.sleep((slowdown - 1) * (time.perf_counter() - t0))
                 if self.precision.ready(algo.flat):
                     algo.step()
                 elapsed += time.perf_counter() - t0
