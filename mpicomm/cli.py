@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="with the average: 'evaluated' (the default: the model exactly as the run's final "
                              "evaluation scored it, BatchNorm statistics recomputed for the averaged weights), "
                              "'average' (the ranks' BatchNorm statistics averaged) or a rank whose buffers to take")
-    slurm = sub.add_parser("slurm", help="render, submit or regenerate sbatch templates (see slurm/)")
+    slurm = sub.add_parser("slurm", help="render, submit, check or regenerate sbatch templates (see slurm/)")
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
     for name, text in (("render", "print the rendered template (or write it with -o)"),
                        ("submit", "render, write (-o, default mpicomm-job.sbatch) and sbatch it")):
@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--wait", action="store_true", help="sbatch --wait: return the job's exit code")
             cmd.add_argument("--sbatch-arg", action="append", default=[], help="extra argument for sbatch")
     slurm_sub.add_parser("regenerate", help="rewrite slurm/<preset>.sbatch from slurm/generic.sbatch")
+    check = slurm_sub.add_parser("check", help="what would stop a rendered job: project, venv, app, data, options "
+                                               "(one line each, exit 2), before it is queued")
+    check.add_argument("job", help="the job file (mpicomm slurm render -o JOB.sbatch, or slurm/<preset>.sbatch)")
     from .plan.command import add_arguments as plan_arguments
 
     plan_arguments(sub.add_parser("plan", help="rank the methods and settings by predicted step time (no MPI)"))
@@ -74,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the sub-command on every rank."""
     args = _parser().parse_args(argv)
     if args.command == "slurm":
-        from .slurm import commands
+        from .slurm import check, commands
 
         run = {"render": commands.main_render, "submit": commands.main_submit,
-               "regenerate": commands.main_regenerate}[args.slurm_command]
+               "regenerate": commands.main_regenerate, "check": check.main_check}[args.slurm_command]
         try:
             return run(args)
         except ValueError as exc:

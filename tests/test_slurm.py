@@ -217,3 +217,31 @@ def test_requeued_job_resized_while_pending_continues_at_the_new_size(tmp_path, 
     assert [r["step"] for r in after] == list(range(resize[0]["step"] + 1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in after), [r["loss"] for r in after]
     assert len(_final_params(out_dir)) == new_size  # the last checkpoint: step STEPS, written by new_size ranks
+
+
+def test_rendered_job_submitted_from_another_folder_completes(tmp_path):
+    """A job written by ``mpicomm slurm render`` and submitted from a folder that is not the checkout finds the
+    project, its venv and the app from the path the renderer wrote into it, and its relative OUT_DIR lands in
+    the submission folder."""
+    elsewhere = tmp_path / "elsewhere"
+    out_dir = elsewhere / "run"
+    out_dir.mkdir(parents=True)
+    job = elsewhere / "job.sbatch"
+    sets = {"job-name": "ci-elsewhere", "ntasks-per-node": "2", "cpus-per-task": "1", "time": "10",
+            "output": f"{out_dir}/job-%j.out", "error": f"{out_dir}/job-%j.out", "APP": "apps/train_resnet.py",
+            "ALGORITHM": "dpsgd", "EPOCHS": "1", "OUT_DIR": "run", "SAVE_EVERY": "100",
+            "EXTRA_ARGS": "--max-steps 4 --batch-size 8 --eval-limit 32 --log-every 1"}
+    rendered = subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", "generic", "-o", str(job),
+                               *[f"--set={k}={v}" for k, v in sets.items()]], cwd=elsewhere, capture_output=True,
+                              text=True)
+    assert rendered.returncode == 0, rendered.stderr
+    proc = subprocess.run(["sbatch", "--parsable", str(job)], cwd=elsewhere, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job_id = int(proc.stdout.strip().split(";")[0])
+    if not _poll(lambda: _job_field(job_id, "JobState") in FINISHED, 240):
+        pytest.fail(f"job {job_id} did not finish in 240 s; queue:\n{_queue()}\n" + _diagnose(str(out_dir)))
+    state = _job_field(job_id, "JobState")
+    assert state == "COMPLETED", f"job {job_id} {state}: " + _diagnose(str(out_dir), job_id=job_id)
+    end = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if r["event"] == "end"]
+    assert end and end[-1]["step"] == 4, _diagnose(str(out_dir))

@@ -77,3 +77,147 @@ def test_every_preset_command_line_is_accepted_by_its_app_and_algorithm(name):
     if "total_steps" in {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}:
         options.setdefault("total_steps", 100_000)  # the app sets it from the epochs and the data
     ALGORITHMS[args.algorithm].config_class(**options)
+
+
+# --- every preset, rendered, passes `mpicomm slurm check`; a job without its data ends before training ---
+
+REPO = os.path.dirname(repo_slurm_dir())
+CIFAR = sorted(n for n in PRESETS if PRESETS[n].get("DATA") == "cifar10")
+
+
+def _cifar10_fixture(root) -> None:
+    """The archive's six batch files in ``root/cifar10/cifar-10-batches-py`` (tiny ones: check only looks)."""
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar10" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": np.zeros((4, 3072), np.uint8), b"labels": [0, 1, 2, 3]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+
+
+def _check(job: str, data_dir, cwd, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MPICOMM_HOME", "VENV", "DATA")}
+    env.update(MPICOMM_DATA_DIR=str(data_dir), **(extra_env or {}))
+    return subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "check", job], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """``mpicomm slurm check`` on every preset rendered by ``mpicomm slurm render`` (run from a folder that is
+    not the checkout), with the data present and, for the presets whose data the job cannot fetch, absent; run
+    side by side (each check imports its app: seconds). Returns {case: (job file, CompletedProcess)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = tmp_path_factory.mktemp("check")
+    present, absent = work / "data-present", work / "data-absent"
+    _cifar10_fixture(present)
+    absent.mkdir()
+    cases = {}
+    for name in sorted(PRESETS):
+        job = work / f"{name}.sbatch"
+        subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", name, "-o", str(job)], cwd=work,
+                       check=True, capture_output=True)
+        cases[("present", name)] = (str(job), present, work, None)
+        if name in CIFAR:
+            cases[("absent", name)] = (str(job), absent, work, None)
+    # the checked-in file itself (no project path written in it: found as the folder above slurm/)
+    cases[("checked-in", "resnet20_cpu")] = (os.path.join(repo_slurm_dir(), "resnet20_cpu.sbatch"), absent, work, None)
+    # an option the app's parser does not know, and a venv that is not there
+    cases[("bad", "options")] = (str(work / "resnet20_cpu.sbatch"), present, work, {"EXTRA_ARGS": "--model resnet20 "
+                                                                                      "--no-such-option 3"})
+    cases[("bad", "venv")] = (str(work / "resnet20_cpu.sbatch"), present, work, {"VENV": str(work / "nowhere")})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(_check, *args) for key, args in cases.items()}
+        return {key: (cases[key][0], future.result()) for key, future in futures.items()}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_rendered_preset_passes_the_check_with_its_data_present(checked, name):
+    job, proc = checked[("present", name)]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    preset = PRESETS[name]
+    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(
+        f"{job}: OK: {preset['APP']} with {preset['ALGORITHM']} from {REPO}, data {preset['DATA']} in "), proc.stdout
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", CIFAR)
+def test_a_preset_whose_data_is_absent_and_not_fetchable_gets_exactly_the_data_missing_line(checked, name, tmp_path):
+    job, proc = checked[("absent", name)]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{job}: data: cifar10 is missing (")
+    assert "cannot be fetched by the job; on a login node: download cifar-10-python.tar.gz" in lines[0]
+    assert "tar xzf cifar-10-python.tar.gz -C " in lines[0] and "data-absent/cifar10" in lines[0]
+
+
+@pytest.mark.timeout(900)
+def test_check_finds_the_project_of_a_checked_in_template_and_takes_fetchable_data_as_fetched(checked):
+    job, proc = checked[("checked-in", "resnet20_cpu")]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"{job}: OK: apps/train_resnet.py with dpsgd from {REPO}, data mnist in ")
+
+
+@pytest.mark.timeout(900)
+def test_check_reports_an_unknown_option_and_a_missing_venv_in_one_line_each(checked):
+    job, proc = checked[("bad", "options")]
+    assert proc.returncode == 2 and proc.stdout.splitlines() == [
+        f"{job}: options: unrecognized arguments: --no-such-option 3"], proc.stdout + proc.stderr
+    job, proc = checked[("bad", "venv")]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0] == (f"{job}: venv: {os.path.dirname(job)}/nowhere/bin/activate does not exist "
+                                           "(scripts/setup_env.sh creates it; or set VENV)")
+
+
+def _run_job_offline(name: str, tmp_path, data_dir) -> subprocess.CompletedProcess:
+    """The rendered preset run with bash as Slurm would start it on a node (SLURM_* set, submitted from
+    ``tmp_path``), inside a network namespace with no route at all."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a network namespace without a route (unshare -n)")
+    job = tmp_path / f"{name}.sbatch"
+    subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", name, "-o", str(job),
+                    "--set", "LAUNCHER=mpiexec"], cwd=tmp_path, check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MPICOMM_", "PIP_"))}
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME=name, SLURM_SUBMIT_DIR=str(tmp_path), SLURM_NTASKS="2",
+               SLURM_TASKS_PER_NODE="2", SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="1",
+               SLURM_JOB_NUM_NODES="1", SLURM_NODELIST="localhost", MPICOMM_DATA_DIR=str(data_dir))
+    return subprocess.run(["unshare", "-n", "bash", str(job)], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name, dataset", [(CIFAR[0], "cifar10"), ("resnet20_cpu", "mnist")])
+def test_a_job_whose_data_is_absent_and_cannot_be_fetched_ends_before_training_in_one_line(name, dataset, tmp_path):
+    """CIFAR-10 cannot be fetched at all; MNIST can, but not on a node without network: either way the job
+    ends with exit 2 and one line naming what is missing and the command for a login node, before any rank
+    starts (no run folder, no metrics)."""
+    proc = _run_job_offline(name, tmp_path, tmp_path / "data")
+    output = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2 and len(output) == 1, proc.stdout + proc.stderr
+    assert output[0].startswith(f"fetch_data: error: {dataset} is missing")
+    assert "on a login node" in output[0]
+    if dataset == "mnist":
+        assert "this node could not fetch it" in output[0]
+        assert f"MPICOMM_DATA_DIR={tmp_path / 'data'} " in output[0] and output[0].endswith("fetch_data.py mnist")
+    assert not (tmp_path / "runs").exists(), "training started"
+
+
+def test_the_jobs_fetch_step_fetches_what_is_missing_once_with_one_line(tmp_path):
+    """``fetch_data.py --if-missing`` (the templates' step before the launch): one line when it fetched, nothing
+    when the data is there (python-docs: built from the standard library, no network needed)."""
+    env = dict(os.environ, MPICOMM_DATA_DIR=str(tmp_path))
+    command = [sys.executable, os.path.join(REPO, "apps", "fetch_data.py"), "--if-missing", "python-docs"]
+    first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert first.stdout.splitlines() == [f"fetch_data: python-docs was missing: fetched it into "
+                                         f"{tmp_path / 'python-docs'} (once, before the launch)"]
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "", "")
+    status = subprocess.run([*command[:2], "--status", "python-docs", "cifar10"], capture_output=True, text=True,
+                            env=env)
+    assert status.returncode == 1 and status.stdout.splitlines()[0].endswith(f"in {tmp_path / 'python-docs'}")

@@ -105,3 +105,71 @@ def test_cli_reports_one_clear_error_and_nonzero_exit():
     assert proc.returncode != 0
     expected = "mpicomm slurm render: error: --set nodes=-3: expected a positive integer"
     assert proc.stderr.strip().splitlines() == [expected]
+
+
+def test_templates_carry_commented_partition_and_account_lines_that_set_enables():
+    for name in ["generic", *sorted(PRESETS)]:
+        with open(os.path.join(repo_slurm_dir(), f"{name}.sbatch")) as f:
+            lines = f.read().splitlines()
+        assert "##SBATCH --partition=PARTITION" in lines and "##SBATCH --account=ACCOUNT" in lines, name
+    out = render(GENERIC, {"partition": "gpu", "account": "proj42"}).splitlines()
+    assert "#SBATCH --partition=gpu" in out and "#SBATCH --account=proj42" in out
+    assert not any(line.startswith("##SBATCH --partition") for line in out)
+    assert sum(line.startswith("#SBATCH --partition") for line in out) == 1
+
+
+def test_data_must_name_a_known_dataset():
+    assert parse_template(render(GENERIC, {"DATA": "mnist"})).value("DATA") == "mnist"
+    with pytest.raises(ValueError, match="DATA=imagenet: expected one of cifar10, mnist, python-docs or empty"):
+        render(GENERIC, {"DATA": "imagenet"})
+
+
+def test_render_writes_the_project_folder_and_checked_in_templates_name_none(tmp_path):
+    """`mpicomm slurm render` writes this checkout into the job (it then runs from anywhere); the checked-in
+    files stay machine-independent and find the project themselves."""
+    shown = subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", "resnet20_cpu"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert parse_template(shown.stdout).value("MPICOMM_HOME") == REPO
+    mine = subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", "generic", "--set",
+                           "MPICOMM_HOME=/opt/mpicomm"], cwd=tmp_path, capture_output=True, text=True)
+    assert parse_template(mine.stdout).value("MPICOMM_HOME") == "/opt/mpicomm"
+    for name in ["generic", *sorted(PRESETS)]:
+        with open(os.path.join(repo_slurm_dir(), f"{name}.sbatch")) as f:
+            assert parse_template(f.read()).value("MPICOMM_HOME") == "", name
+
+
+def _job_env(tmp_path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MPICOMM_"))}
+    env.update(SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=str(tmp_path), MPICOMM_DATA_DIR=str(tmp_path / "data"), **extra)
+    return env
+
+
+def test_a_checked_in_job_finds_its_project_from_the_submitted_path(tmp_path):
+    """sbatch runs a spool copy of the script from another folder: the job asks Slurm for the submitted path
+    (Command=) and finds the project above slurm/; here it gets as far as the data step (CIFAR-10 absent)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    submitted = os.path.join(repo_slurm_dir(), "resnet20_moniqua.sbatch")
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho 'JobId=77 JobName=x Command={submitted} WorkDir=/tmp'\n")
+    (fake / "scontrol").chmod(0o755)
+    with open(submitted) as f:
+        (spool / "slurm_script").write_text(f.read())
+    env = _job_env(tmp_path, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(spool / "slurm_script")], cwd=spool, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("fetch_data: error: cifar10 is missing"), proc.stderr
+    assert proc.stdout == "", proc.stdout
+
+
+def test_a_job_that_cannot_find_its_project_says_so_in_one_line(tmp_path):
+    env = _job_env(tmp_path, PATH=f"/nonexistent{os.pathsep}/usr/bin:/bin")  # no scontrol: Slurm cannot tell
+    job = tmp_path / "job.sbatch"
+    job.write_text(GENERIC)
+    proc = subprocess.run(["bash", str(job)], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "mpicomm: error: apps/train_resnet.py is not in MPICOMM_HOME=(not found): render the job with mpicomm "
+        "slurm render, or submit with sbatch --export=ALL,MPICOMM_HOME=/path/to/mpicomm"]

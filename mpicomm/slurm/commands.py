@@ -1,9 +1,10 @@
-"""``mpicomm slurm render|submit|regenerate``: the command-line side of the templates.
+"""``mpicomm slurm render|submit|regenerate``: the command-line side of the templates (``check``: :mod:`.check`).
 
 Templates are found by path, or by name in ``./slurm/`` and then in the ``slurm/`` folder of the
 mpicomm checkout (``mpicomm slurm render generic`` == ``mpicomm slurm render slurm/generic.sbatch``).
 The named job templates (ResNet-20 with Moniqua, …) are the generic template rendered with a preset;
-``regenerate`` rewrites them and a test checks they never drift from their presets.
+``regenerate`` rewrites them and a test checks they never drift from their presets. ``render`` and ``submit``
+write the project's folder into the job (``MPICOMM_HOME``), so it runs wherever it is submitted from.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import subprocess
 import sys
 
 from .presets import PRESETS, check_preset
-from .template import render
+from .template import parse_template, render
 
 __all__ = [
     "find_template", "installed_templates_dir", "main_render", "main_regenerate", "main_submit", "parse_sets",
-    "preset_text", "repo_slurm_dir",
+    "preset_text", "project_home", "repo_slurm_dir",
 ]
 
 
@@ -57,6 +58,15 @@ def parse_sets(items: list[str]) -> dict[str, str]:
     return out
 
 
+def project_home() -> str:
+    """The mpicomm project a rendered job runs from: the checkout this package lives in, else this folder,
+    whichever holds ``apps/`` ("" when neither does: the job then looks for it itself)."""
+    for folder in (os.path.dirname(repo_slurm_dir()), os.getcwd()):
+        if os.path.isfile(os.path.join(folder, "apps", "fetch_data.py")):
+            return os.path.abspath(folder)
+    return ""
+
+
 def _rendered(args) -> str:
     sets = {}
     if args.preset:
@@ -67,7 +77,10 @@ def _rendered(args) -> str:
     for name in {args.preset, os.path.basename(args.template).removesuffix(".sbatch")} & set(PRESETS):
         check_preset(name, sets)  # a preset's own template counts as that preset
     with open(find_template(args.template)) as f:
-        return render(f.read(), sets)
+        text = f.read()
+    if "MPICOMM_HOME" not in sets and "MPICOMM_HOME" in parse_template(text).params and project_home():
+        sets["MPICOMM_HOME"] = project_home()  # the job then runs wherever it is submitted from
+    return render(text, sets)
 
 
 def _submit_line(text: str, path: str) -> str:

@@ -3,7 +3,8 @@
 A template has two kinds of settings, both overridable with ``--set KEY=VALUE``:
 
 * scheduler options, lower-case (``nodes``, ``ntasks-per-node``, ``time``, ``gpus-per-task``, …): the
-  ``#SBATCH --key=value`` lines; a known option the template lacks is added to the header;
+  ``#SBATCH --key=value`` lines; a commented ``##SBATCH --key=…`` line is enabled with the value, and a known
+  option the template lacks is added to the header;
 * job parameters, upper-case (``ALGORITHM``, ``EPOCHS``, ``EXTRA_ARGS``, …): shell defaults that
   ``sbatch --export=ALL,KEY=VALUE`` can still override at submission time.
 
@@ -18,12 +19,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["SBATCH_OPTIONS", "Template", "parse_template", "quote", "render", "unquote"]
+__all__ = ["DATA_NAMES", "SBATCH_OPTIONS", "Template", "parse_template", "quote", "render", "unquote"]
 
 _HEADER = re.compile(r"^#SBATCH\s+--([a-z-]+)(?:=(.*))?$")
+_COMMENTED = re.compile(r"^##SBATCH\s+--([a-z-]+)(?:=(.*))?$")  # a header line left for the user to enable
 _PARAM = re.compile(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"(\s+#.*)?$')
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _POSITIVE = ("nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus-per-task", "gpus-per-node", "gpus")
+
+DATA_NAMES = ("", "cifar10", "mnist", "python-docs")
+"""The values of ``DATA``: the datasets a job keeps in ``MPICOMM_DATA_DIR`` (see ``apps/fetch_data.py``)."""
 
 SBATCH_OPTIONS = frozenset(_POSITIVE + (
     "job-name", "time", "output", "error", "open-mode", "signal", "requeue", "partition", "account", "qos",
@@ -114,6 +119,9 @@ def _validate(key: str, value: str) -> None:
 
         if value not in TOPOLOGIES:
             raise ValueError(f"--set TOPOLOGY={value}: unknown topology; choose one of {sorted(TOPOLOGIES)}")
+    if key == "DATA" and value not in DATA_NAMES:
+        raise ValueError(f"--set DATA={value}: expected one of {', '.join(DATA_NAMES[1:])} or empty (the app's "
+                         "embedded default, or data paths in EXTRA_ARGS)")
     if key == "LAUNCHER" and value not in ("auto", "srun", "mpiexec"):
         raise ValueError(f"--set LAUNCHER={value}: expected auto, srun or mpiexec")
     if key == "MPI_PMI" and value not in ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta", "none"):
@@ -129,10 +137,13 @@ def render(text: str, sets: dict[str, str]) -> str:
                              f"scheduler options {sorted(SBATCH_OPTIONS)} can be added")
         _validate(key, value)
     lines = list(template.lines)
+    commented = {m.group(1): i for i, line in enumerate(lines) if (m := _COMMENTED.match(line)) is not None}
     added = []
     for key, value in sets.items():
         if key in template.headers:
             lines[template.headers[key]] = f"#SBATCH --{key}={value}"
+        elif key in commented:
+            lines[commented[key]] = f"#SBATCH --{key}={value}"
         elif key in template.params:
             lines[template.params[key]] = f': "${{{key}:={quote(value)}}}"'
         else:
