@@ -4,7 +4,7 @@ Sources (``load_documents``):
 
 * ``None`` or ``""``: the embedded default, real English that ships with Python itself — the
   documentation topics of ``pydoc_data.topics`` (79 topics, ~0.5 MB of text), one document per topic;
-  or, with ``dataset="python-docs"``, the standard library's docstrings and comments (~6 MB,
+  or, with ``dataset="python-docs"``, the standard library's docstrings and comments (~5 MB,
   :mod:`.documents`; built once by the set-up).
 * a folder: every ``*.txt`` file below it (sorted by path), one document per file; a folder holding a
   single file is treated like that file.

@@ -1,6 +1,6 @@
 """BERT's larger offline corpus, ``python-docs``: the standard library's own documentation, as plain English.
 
-About 6 MB of real text (13 times the pydoc topics) that every Python installation carries: for each
+About 5 MB of real text (13 times the pydoc topics) that every Python installation carries: for each
 source file of the standard library (its tests included), one document of its docstrings (module, class,
 function; read with ``ast``, never imported) followed by its comment paragraphs (runs of ``#`` lines),
 plus the 79 pydoc topics. Built once by the set-up (``python apps/fetch_data.py python-docs``) into the

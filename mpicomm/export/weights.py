@@ -147,8 +147,8 @@ def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -
     evaluated = _evaluated(directory, meta, save_id) if rank is None and buffers == "evaluated" else None
     if evaluated is not None:
         flat, kept = evaluated
-        notes.append(f"the model the run evaluated at step {meta['step']}: the ranks' average with the BatchNorm "
-                     "statistics it was scored with")
+        notes.append(f"the model the run evaluated at step {meta['step']}: the ranks' average with the "
+                     f"{_buffer_words(kept)} it was scored with")
         ranks = list(range(size))
     else:
         if rank is None and buffers == "evaluated":
@@ -159,7 +159,13 @@ def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -
         buffers_from = rank if rank is not None else (None if buffers == "average" else int(buffers))
         flat, kept = _combine(directory, meta, save_id, ranks, buffers_from)
         if rank is None and any(value.is_floating_point() for value in kept.values()):
-            notes.append("floating-point buffers (BatchNorm statistics) averaged over the ranks too"
-                         if buffers_from is None else f"buffers (BatchNorm statistics) from rank {buffers_from}")
+            words = _buffer_words(kept)
+            notes.append(f"floating-point {words} averaged over the ranks too" if buffers_from is None
+                         else f"{words} from rank {buffers_from}")
     state = _keyed(_named(flat, signature, directory), kept, meta.get("model"), notes)
     return Weights(state, directory, meta, ranks, notes)
+
+
+def _buffer_words(buffers: dict) -> str:
+    """How the notes name a model's buffers: its BatchNorm statistics where it has them, else its buffers."""
+    return "BatchNorm statistics" if any(name.endswith("running_mean") for name in buffers) else "buffers"

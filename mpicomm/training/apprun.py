@@ -111,8 +111,9 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
     ``settings`` go into the run's ``start`` record: what a later resume compares with.
     """
     size = algo.comm.size
+    graph = "" if algo.centralized else f"{algo.comm.schedule.name} topology, "  # centralized methods use none
     console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
-                 f"{algo.comm.schedule.name} topology, {algo.flat.numel:,} parameters")
+                 f"{graph}{algo.flat.numel:,} parameters")
     try:
         summary = run_training(task, algo, cfg, console=console, run_info={
             "app": name, "argv": sys.argv[1:] if argv is None else list(argv), "settings": settings})
