@@ -37,8 +37,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["Resize", "agreed_or_merged", "first", "fresh", "onebit_server_errors", "onebit_worker_errors",
-           "public_copies", "reshard_tree", "share_of_sum"]
+__all__ = ["ONEBIT_RULES", "Resize", "agreed_or_merged", "first", "fresh", "onebit_server_errors",
+           "onebit_worker_errors", "public_copies", "reshard_tree", "share_of_sum"]
 
 
 @dataclass
@@ -205,3 +205,9 @@ def reshard_tree(values: list, fresh_value, resize: Resize, rules: dict[str, Rul
                             rules, f"{path}.{i}") for i in range(len(values[0]))]
         return type(values[0])(out)
     return agreed_or_merged(values, fresh_value, resize)
+
+
+ONEBIT_RULES = {"extra.worker_error": onebit_worker_errors, "extra.server_error": onebit_server_errors}
+"""The 1-bit average's errors on a resize (APMSqueeze, 0/1 Adam, 1-bit LAMB): the worker errors re-split keeping
+their sum (sum / M each); the server errors, one chunk per rank, reassembled into the whole vector from their
+old owners and re-split by the new chunk ownership."""

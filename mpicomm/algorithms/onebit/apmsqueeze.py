@@ -33,7 +33,7 @@ import torch
 
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
-from ..resize import onebit_server_errors, onebit_worker_errors
+from ..resize import ONEBIT_RULES
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
@@ -237,12 +237,8 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         return out
 
     def _resize_rules(self):
-        """On a resize the worker errors are re-split keeping their sum (sum / M each); the server errors, one chunk
-        per rank, are reassembled into the whole vector from their old owners and re-split by the new chunk
-        ownership."""
-        return {**super()._resize_rules(),
-                "extra.worker_error": onebit_worker_errors,
-                "extra.server_error": onebit_server_errors}
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`."""
+        return {**super()._resize_rules(), **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):
         if extra["phase"] != self.phase:

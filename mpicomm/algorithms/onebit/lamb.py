@@ -26,7 +26,7 @@ import torch
 
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
-from ..resize import onebit_server_errors, onebit_worker_errors
+from ..resize import ONEBIT_RULES
 from .average import check_float32, onebit_average_for
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
@@ -132,12 +132,8 @@ class OneBitLAMB(LAMB):
                 "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
 
     def _resize_rules(self):
-        """On a resize the worker errors are re-split keeping their sum (sum / M each); the server errors, one chunk
-        per rank, are reassembled into the whole vector from their old owners and re-split by the new chunk
-        ownership."""
-        return {**super()._resize_rules(),
-                "extra.worker_error": onebit_worker_errors,
-                "extra.server_error": onebit_server_errors}
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`."""
+        return {**super()._resize_rules(), **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)
