@@ -1,5 +1,6 @@
 """Shared fixtures. MPI is imported lazily so the serial tier never needs a launcher."""
 
+import contextlib
 import subprocess
 import traceback
 
@@ -43,3 +44,13 @@ def mount_tmpfs(where, size: str) -> None:
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
     if done.returncode != 0:
         pytest.skip("needs root to mount a small tmpfs")
+
+
+@contextlib.contextmanager
+def tmpfs(where, size: str):
+    """:func:`mount_tmpfs` for the block, unmounted (lazily) after it; yields ``where``."""
+    mount_tmpfs(where, size)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

@@ -6,7 +6,6 @@ traceback, nothing already written lost. A resumed run's counters go on from its
 """
 
 import shutil
-import subprocess
 
 import h5py
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from mpicomm.training.metrics import continued
 
 from .app_runs import RESNET, launch, strict_records
-from .conftest import mount_tmpfs
+from .conftest import tmpfs
 
 DPSGD = [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9"]
 
@@ -134,9 +133,8 @@ def test_a_signal_inside_a_requeueing_job_leaves_the_marker_its_script_requeues_
 @pytest.fixture
 def small_disk(tmp_path):
     """A 7 MiB tmpfs."""
-    mount_tmpfs(tmp_path / "disk", "7m")
-    yield tmp_path / "disk"
-    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=True)
+    with tmpfs(tmp_path / "disk", "7m") as disk:
+        yield disk
 
 
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_checkpoint(small_disk):

@@ -16,7 +16,7 @@ import pytest
 
 from mpicomm.checkpoint import store
 
-from .conftest import mount_tmpfs
+from .conftest import tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = """
@@ -67,9 +67,8 @@ os.unlink(os.path.join(root, "other-writer"))
 @pytest.fixture
 def disk(tmp_path):
     """A 4 MiB tmpfs."""
-    mount_tmpfs(tmp_path / "disk", "4m")
-    yield tmp_path / "disk"
-    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=True)
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        yield disk
 
 
 def _child(code: str, disk) -> subprocess.CompletedProcess:

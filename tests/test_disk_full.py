@@ -20,7 +20,7 @@ from mpicomm.training.metrics import MetricsWriter, continued, read_metrics, rep
 from mpicomm.training.plot import curves
 
 from .app_runs import REPO, RESNET, mpiexec, strict_records
-from .conftest import mount_tmpfs
+from .conftest import mount_tmpfs, tmpfs
 
 FILLER = "other-writer"
 PRELUDE = """
@@ -84,9 +84,8 @@ def _stderr_lines(proc) -> list[str]:
 @pytest.fixture
 def disk(tmp_path):
     """A 16 MiB tmpfs: three checkpoints of this run (~4.4 MB each) fit, as a resume to step 6 needs."""
-    mount_tmpfs(tmp_path / "disk", "16m")
-    yield tmp_path / "disk"
-    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=True)
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        yield disk
 
 
 def test_a_disk_filled_during_a_checkpoint_stops_with_one_line_and_keeps_the_last_one(disk):
