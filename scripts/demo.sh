@@ -2,7 +2,7 @@
 # The main job on the embedded default: set up (once), then train ResNet-20 on 4 MPI ranks on the embedded
 # digits data twice, with D-PSGD (fp32 gossip) and with Moniqua's default (4 bits on a rotating quarter of
 # each tensor: ~1 bit per parameter), 10 epochs each; prints both test accuracies of the averaged model, the
-# bytes each sent and their ratio. About two minutes per run on 2 cores after set-up.
+# bytes each sent and their ratio. One to three minutes per run on 2 cores after set-up (more on a loaded machine).
 # As root with `unshare`, MPI runs in a loopback-only network namespace (nothing leaves the machine).
 # Extra arguments go to both runs, e.g. scripts/demo.sh --epochs 4 --seed 1
 set -euo pipefail
