@@ -139,6 +139,7 @@ class Algorithm(abc.ABC):
     says whether every rank applies one averaged (or decoded) gradient (it decides which gradient
     :meth:`clip_grad_norm_` clips); ``takes_optimizer`` whether :meth:`use_optimizer` accepts a user's
     ``torch.optim.Optimizer``, and ``optimizer_refusal`` says what such an algorithm accepts instead.
+    ``asynchronous``: its step holds no collective, so its ranks may run free (the loop's ``free_running``).
     """
 
     name: ClassVar[str] = "algorithm"
@@ -146,6 +147,7 @@ class Algorithm(abc.ABC):
     centralized: ClassVar[bool] = False
     clips_average: ClassVar[bool] = False
     takes_optimizer: ClassVar[bool] = False
+    asynchronous: ClassVar[bool] = False
     optimizer_refusal: ClassVar[str] = ("its local step is not converted to a user optimizer yet; "
                                         "it builds its own from lr, momentum and weight_decay")
     builtin_optimizer_fields: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")

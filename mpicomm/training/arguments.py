@@ -28,6 +28,7 @@ from ..net import NAMED, parse_net
 from .device import place, place_task
 from .loop import TrainConfig, agree_steps_per_epoch
 from .options import add_algorithm_options, config_kwargs, foreign_option, settle_app_defaults
+from .pace import ASYNC_ONLY
 from .param_groups import app_optimizer
 from .precision import PRECISIONS
 from .rundir import RunLock, claim_out_dir
@@ -91,6 +92,9 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--slow-ranks", type=slowdowns, default=(), metavar="RANK:FACTOR,...",
                    help="make these ranks' compute FACTOR times slower (each step sleeps (FACTOR - 1) x its "
                         "forward and backward time): a straggler, for measuring what a slow rank costs")
+    p.add_argument("--free-running", action="store_true",
+                   help="asynchronous methods (adpsgd, moniqua_adpsgd): each rank steps at its own pace and the "
+                        "ranks share the run's steps (a fast rank takes more of them), instead of lockstep")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
@@ -176,7 +180,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         keep_last=args.keep_last, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, hang_timeout=args.hang_timeout,
-        slow_ranks=args.slow_ranks,
+        slow_ranks=args.slow_ranks, free_running=args.free_running,
     )
 
 
@@ -246,6 +250,8 @@ def _build(args, comm, cfg, device, build, console):
     try:
         algo.accumulate(cfg.accumulate)
         algo.clip_grad_norm_(cfg.clip_grad_norm or None)
+        if cfg.free_running and not algo.asynchronous:
+            raise ValueError(ASYNC_ONLY.format(name=algo.name))
     except ValueError as exc:
         error = exc
     raise_together(comm, error)

@@ -61,6 +61,7 @@ from .console import Console
 from .device import to_device
 from .health import agree, local_problem
 from .metrics import MetricsWriter
+from .pace import SharedSteps
 from .precision import PRECISIONS, Precision
 from .reporting import Progress, account, eval_line, evaluate, log_window
 from .resume import Resumed, resolve_resume, restore_run
@@ -120,6 +121,7 @@ class TrainConfig:
     clip_grad_norm: float = 0.0
     hang_timeout: float | None = None
     slow_ranks: tuple[tuple[int, float], ...] = ()
+    free_running: bool = False
 
     def __post_init__(self):
         for name in ("epochs", "log_every", "accumulate"):
@@ -141,6 +143,9 @@ class TrainConfig:
                              "check is per backward pass); use bf16")
         if (self.save_every or self.resume or self.overwrite) and not self.out_dir:
             raise ValueError("--save-every/--resume/--overwrite need --out-dir (where checkpoints live)")
+        if self.free_running and self.precision == "fp16":
+            raise ValueError("--free-running cannot be combined with --precision fp16 (its loss scale is agreed "
+                             "by every rank at every step); use bf16")
         if self.overwrite and self.resume:
             raise ValueError("--overwrite deletes the run in --out-dir and --resume continues it: give one of them")
 
@@ -159,6 +164,11 @@ class TrainConfig:
             raise ValueError(f"--accumulate {self.accumulate} needs more batches than the run has: --epochs "
                              f"{self.epochs} x {steps_per_epoch} batches per epoch make "
                              f"{self.epochs * steps_per_epoch}; lower --accumulate or raise --epochs")
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    """Whether the steps ``before`` < s <= ``after`` hold a multiple of ``every`` (0: never)."""
+    return bool(every) and after // every > before // every
 
 
 def agree_steps_per_epoch(task: Task, comm, console: Console | None = None) -> int:
@@ -234,6 +244,7 @@ class _Run:
         self.stop = StopFlag(install=False)
         self.lock = RunLock(None)
         self.signalled = False
+        self.pace: SharedSteps | None = None
         self.t_run = time.perf_counter()
 
     def begin(self, run_info: dict) -> None:
@@ -376,6 +387,8 @@ class _Run:
         blocked = slept = elapsed = 0.0
         step_loss, crossed_epoch = None, False
         slowdown = dict(cfg.slow_ranks).get(self.rank, 1.0)
+        pace = SharedSteps(self.comm, self.step, total) if cfg.free_running and self.step < total else None
+        self.pace = pace
         if self.step == total:  # resumed from the end of the run: report where it ended
             self.console.info(f"the run had already finished at step {total}; nothing to train")
             last_eval = self._evaluate()
@@ -405,18 +418,33 @@ class _Run:
                 crossed_epoch = crossed_epoch or index + 1 == task.steps_per_epoch
                 if algo.pending_micro_batches:  # accumulating: no update, so no step to account for yet
                     continue
-                self.step += 1
-                step = self.step
                 self.train_s += elapsed
                 account(window, elapsed, clock.blocked_s - blocked, clock.slept_s - slept,
                         None if clock.model is None else clock.modelled_s - modelled)
                 window["loss"] += step_loss / cfg.accumulate if cfg.accumulate > 1 else step_loss
                 finished_epoch = index + 1 == task.steps_per_epoch
                 position = (epoch + 1, 0) if finished_epoch else (epoch, index + 1)
-                logging = step % cfg.log_every == 0 or step == total
-                saving = bool(cfg.save_every and step % cfg.save_every == 0)
                 signum = self.stop.signum if cfg.handle_signals else None
-                checking = logging or saving or signum or step == cfg.stop_at_step
+                previous = self.step
+                if pace is None:
+                    self.step += 1
+                else:  # free running: the run's step moves when a round completes (see .pace)
+                    pace.took_step()
+                    reached = pace.poll()
+                    if reached is None:
+                        continue
+                    self.step = min(reached.step, total)
+                    crossed_epoch = crossed(previous, self.step, max(1, task.steps_per_epoch // cfg.accumulate))
+                step = self.step
+                logging = crossed(previous, step, cfg.log_every) or step == total
+                saving = crossed(previous, step, cfg.save_every)
+                stopping_here = previous < cfg.stop_at_step <= step
+                evaluating = crossed(previous, step, cfg.eval_every) or (crossed_epoch and not cfg.eval_every) \
+                    or step == total
+                if pace is not None and not (logging or saving or stopping_here or evaluating or reached.signal):
+                    pace.post(signum)  # nothing for every rank to do after this round
+                    continue
+                checking = logging or saving or signum or stopping_here
                 problem = local_problem(float(window["loss"]), algo.flat.data) if checking else ""
                 verdict = agree(self.comm, signum, problem or self.metrics.problem)
                 if verdict.signal:
@@ -426,14 +454,13 @@ class _Run:
                     self._give_up(verdict, step)
                 if logging:
                     log_window(self.metrics, self.progress, algo, step, epoch, window, counters, self.wall())
-                if (cfg.eval_every and step % cfg.eval_every == 0) or (crossed_epoch and not cfg.eval_every) \
-                        or step == total:
+                if evaluating:
                     last_eval = self._evaluate(epoch + (index + 1) / task.steps_per_epoch)
                 crossed_epoch = False
                 if saving:
                     self.save(position)
                 stopped_by = verdict.signal
-                if step == cfg.stop_at_step and step < total:
+                if stopping_here and step < total:
                     stopped_by = stopped_by or int(signal.SIGUSR1)
                 if stopped_by:
                     if not saving:
@@ -444,16 +471,21 @@ class _Run:
                     break
                 if step == total:
                     break
+                if pace is not None:
+                    pace.post(signum)
             epoch, start = (epoch + 1, 0) if not stopped_by else (epoch, start)
         self.guard.step = None
         if self.step == total and not stopped_by and self.saved_step != total:
             self.save((epoch, 0))  # the end of every run with --out-dir: the model to export
+        if pace is not None:
+            pace.close()
         algo.close()
         summary = {"event": "end", "step": self.step, "total_steps": total, "stopped_by_signal": stopped_by,
                    **({"loss_scale": self.precision.scale, "skipped_steps": self.precision.skipped}
                       if cfg.precision == "fp16" else {}),
                    "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
-                   **{f"net_{k}": v for k, v in clock.totals().items()}, **algo.metrics()}
+                   **{f"net_{k}": v for k, v in clock.totals().items()}, **algo.metrics(),
+                   **({"steps_by_rank": pace.by_rank} if pace is not None else {})}
         self.metrics.write(summary)
         if self.metrics.problem:
             self.console.warning(f"{self.metrics.problem}; the run itself finished")
@@ -468,6 +500,8 @@ class _Run:
                   **self.algo.comm.ledger.totals()}
         if epoch is not None:
             record["epoch"] = epoch
+        if self.pace is not None:
+            record["steps_by_rank"] = self.pace.by_rank  # free running: each rank's own steps so far
         self.metrics.write(record)
         self.console.info(eval_line(self.step, self.total, result))
         return result

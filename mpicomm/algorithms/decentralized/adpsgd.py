@@ -62,6 +62,7 @@ class ADPSGD(Algorithm):
     """AD-PSGD: average with one random neighbour's last published model (one-sided read), then a local SGD step."""
 
     name = "adpsgd"
+    asynchronous = True
     config_class = ADPSGDConfig
     takes_optimizer = True
     resize_family = "decentralized"

@@ -62,6 +62,7 @@ class MoniquaADPSGD(ADPSGD):
     """Moniqua-AD-PSGD: AD-PSGD's pull average on modulo-quantized models, theta per tensor, check then mix."""
 
     name = "moniqua_adpsgd"
+    asynchronous = True
     config_class = MoniquaADPSGDConfig
 
     def _setup_messages(self) -> None:
