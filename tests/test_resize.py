@@ -180,8 +180,9 @@ def test_onebit_server_errors_follow_the_new_chunks():
 
 def test_app_resumes_at_another_size(tmp_path):
     """apps/train_resnet.py saved at 2 ranks continues at 3 with ``--resume latest``: a ``resize`` event, then on
-    to the end."""
-    args = [*RESNET, "--max-steps", "6", "--out-dir", str(tmp_path)]
+    to the end, with the learning rate scaled by 3/2 (``--lr-scaling linear``)."""
+    args = [*RESNET, "--max-steps", "6", "--out-dir", str(tmp_path), "--lr", "0.08", "--lr-schedule", "constant",
+            "--lr-scaling", "linear"]
     first = launch(2, "train_resnet.py", [*args, "--stop-at-step", "3"])
     assert first.returncode == 128 + 10, first.stderr[-3000:]  # SIGUSR1 outside a requeueing job
     second = launch(3, "train_resnet.py", [*args, "--resume", "latest"])
@@ -193,3 +194,6 @@ def test_app_resumes_at_another_size(tmp_path):
     assert records[-1]["event"] == "end" and records[-1]["step"] == 6 and records[-1]["stopped_by_signal"] == 0
     steps = [r["step"] for r in records[records.index(events[0]):] if r["event"] == "train"]
     assert steps == [4, 5, 6]
+    lrs = {r["step"]: r["lr"] for r in records if r["event"] == "train"}
+    assert events[0]["lr_factor"] == 1.5 and "learning rate x 1.5" in second.stdout, second.stdout[-2000:]
+    assert [lrs[s] for s in range(1, 7)] == pytest.approx([0.08] * 3 + [0.12] * 3, rel=1e-12), lrs

@@ -26,7 +26,7 @@ from ..comm import Communicator, raise_together
 from ..comm.guard import DEFAULT_HANG_TIMEOUT_S
 from ..net import NAMED, parse_net
 from .device import place, place_task
-from .loop import TrainConfig, agree_steps_per_epoch
+from .loop import LR_SCALINGS, TrainConfig, agree_steps_per_epoch
 from .options import add_algorithm_options, config_kwargs, foreign_option, settle_app_defaults
 from .pace import ASYNC_ONLY
 from .param_groups import app_optimizer
@@ -95,6 +95,9 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--free-running", action="store_true",
                    help="asynchronous methods (adpsgd, moniqua_adpsgd): each rank steps at its own pace and the "
                         "ranks share the run's steps (a fast rank takes more of them), instead of lockstep")
+    p.add_argument("--lr-scaling", default="none", choices=LR_SCALINGS,
+                   help="on a resume at another world size: none keeps the learning rate; linear multiplies it by "
+                        "ranks now / ranks the run began with (the global batch changed by that factor)")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
@@ -180,7 +183,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         keep_last=args.keep_last, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, hang_timeout=args.hang_timeout,
-        slow_ranks=args.slow_ranks, free_running=args.free_running,
+        slow_ranks=args.slow_ranks, free_running=args.free_running, lr_scaling=args.lr_scaling,
     )
 
 

@@ -70,7 +70,10 @@ from .schedule import LRSchedule
 from .stop import StopFlag
 from .tensorboard import ScalarMirror
 
-__all__ = ["Task", "TrainConfig", "agree_steps_per_epoch", "run_training"]
+__all__ = ["LR_SCALINGS", "Task", "TrainConfig", "agree_steps_per_epoch", "run_training"]
+
+LR_SCALINGS = ("none", "linear")
+"""``--lr-scaling``: after a resume at another world size, keep the learning rate, or scale it with the ranks."""
 
 
 class Task(Protocol):
@@ -122,6 +125,7 @@ class TrainConfig:
     hang_timeout: float | None = None
     slow_ranks: tuple[tuple[int, float], ...] = ()
     free_running: bool = False
+    lr_scaling: str = "none"
 
     def __post_init__(self):
         for name in ("epochs", "log_every", "accumulate"):
@@ -143,6 +147,8 @@ class TrainConfig:
                              "check is per backward pass); use bf16")
         if (self.save_every or self.resume or self.overwrite) and not self.out_dir:
             raise ValueError("--save-every/--resume/--overwrite need --out-dir (where checkpoints live)")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"--lr-scaling: expected one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
         if self.free_running and self.precision == "fp16":
             raise ValueError("--free-running cannot be combined with --precision fp16 (its loss scale is agreed "
                              "by every rank at every step); use bf16")
@@ -236,6 +242,7 @@ class _Run:
         # checkpoint: under fp16 the exchange is not begun early (the step exchanges blocking)
         self.begins_steps = cfg.precision != "fp16"
         self.step, self.epoch, self.start = 0, 0, 0
+        self.started_ranks, self.lr_factor = self.size, 1.0  # the run's first world size; --lr-scaling's factor
         self.train_s, self.wall_offset = 0.0, 0.0
         self.last_saved, self.saved_step = "", -1
         self.evaluated: dict = {}
@@ -281,6 +288,9 @@ class _Run:
                 f"the checkpoint {resumed.path} is at step {resumed.step}, beyond this run's {self.total} steps: "
                 "raise --epochs or --max-steps to train on from it"))
         self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
+        self.started_ranks = resumed.started_ranks or self.size
+        if cfg.lr_scaling == "linear":
+            self.lr_factor = self.size / self.started_ranks
         self._set_aside_later_checkpoints()
         counters = resumed.counters
         if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
@@ -289,6 +299,9 @@ class _Run:
             self.algo.comm.clock.load_totals(counters["clock"])
         self.last_saved, self.saved_step = str(resumed.path), resumed.step
         resized = f" (saved at {resumed.resized_from} ranks, continued at {self.size})" if resumed.resized_from else ""
+        if self.lr_factor != 1.0:
+            resized += f"; learning rate x {self.lr_factor:g} (--lr-scaling linear: {self.size} ranks, " \
+                       f"the run began at {self.started_ranks})"
         self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}{resized}")
         return resumed
 
@@ -312,7 +325,7 @@ class _Run:
                                 "wall_s": self.wall_offset, "train_s": self.train_s, **algo.comm.ledger.totals()})
             if resumed.resized_from:
                 self.metrics.write({"event": "resize", "step": self.step, "old_size": resumed.resized_from,
-                                    "new_size": self.size, "rule": algo.resize_family,
+                                    "new_size": self.size, "rule": algo.resize_family, "lr_factor": self.lr_factor,
                                     "epoch": self.epoch, "batch": self.start})
         self.metrics.write({"event": "start", "step": self.step, "resumed_from": str(resumed.path) if resumed else "",
                             "total_steps": self.total, "steps_per_epoch": self.task.steps_per_epoch,
@@ -337,7 +350,7 @@ class _Run:
         state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(self.device),
                  "buffers": {name: b.detach().clone() for name, b in algo.model.named_buffers()},
                  "position": {"step": self.step, "epoch": position[0], "batch": position[1],
-                              "steps_per_epoch": self.task.steps_per_epoch},
+                              "steps_per_epoch": self.task.steps_per_epoch, "started_ranks": self.started_ranks},
                  "counters": counters}
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()
@@ -395,7 +408,7 @@ class _Run:
         while self.step < total and not stopped_by:
             for index, batch in self._batches(epoch, start):
                 if not algo.pending_micro_batches:  # the first micro-batch of a step
-                    algo.set_lr(self.schedule(self.step))
+                    algo.set_lr(self.lr_factor * self.schedule(self.step))
                     blocked, slept, modelled = clock.blocked_s, clock.slept_s, clock.modelled_s
                     elapsed, step_loss = 0.0, None
                     self.guard.step = self.step + 1

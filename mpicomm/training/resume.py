@@ -97,6 +97,7 @@ class Resumed:
     batch: int
     counters: dict = field(default_factory=dict)
     resized_from: int | None = None  # the world size it was saved at, when another than this run's
+    started_ranks: int = 0  # the world size the run began at (0: this one), the base of --lr-scaling linear
 
 
 def resolve_resume(resume: str, out_dir: str) -> Path | None:
@@ -150,7 +151,7 @@ def restore_run(path: Path, algo, expect: dict, meta: dict, precision, steps_per
     precision.load_state_dict(state.get("precision", {}))
     position = state["position"]
     return Resumed(Path(path), *(int(position[k]) for k in ("step", "epoch", "batch")),
-                   counters=state.get("counters", {}))
+                   counters=state.get("counters", {}), started_ranks=int(position.get("started_ranks", 0)))
 
 
 def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch: int) -> Resumed:
@@ -170,7 +171,8 @@ def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch:
         raise _refusal(path, f"it was saved at {old} ranks, this run has {new}: {problem}", algo, {}, damaged=False)
     precision.load_state_dict(states[0].get("precision", {}))
     step, epoch, batch = resized_position(position, old, new, steps_per_epoch or int(position["batch"]) + 1)
-    return Resumed(path, step, epoch, batch, counters=resized_counters(states, algo.comm.rank), resized_from=old)
+    return Resumed(path, step, epoch, batch, counters=resized_counters(states, algo.comm.rank), resized_from=old,
+                   started_ranks=int(position.get("started_ranks", old)))
 
 
 def _refusal(path: Path, why: str, algo, expect: dict, damaged: bool) -> CheckpointError:
