@@ -100,15 +100,17 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
             app = AppSettings({**run_settings(args), **(settings(args) if settings else {})},
                               cfg.total_steps(task.steps_per_epoch), cfg.lr_schedule, derived_options(args))
             with comparing_app_settings(app):
-                return _train(name, console, task, algo, cfg, argv, headline, app.flags)
+                return _train(name, console, task, algo, cfg, argv, headline,
+                              {"settings": app.flags, "auto": getattr(args, "auto_choice", None)})
         finally:
             lock.release()
 
 
-def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], settings: dict) -> int:
+def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], recorded: dict) -> int:
     """Train, print the final line, and return the exit status (see the module docstring).
 
-    ``settings`` go into the run's ``start`` record: what a later resume compares with.
+    ``recorded`` goes into the run's ``start`` record: ``settings`` (what a later resume compares with) and
+    ``auto`` (``--algorithm auto``'s choice, or None).
     """
     size = algo.comm.size
     graph = "" if algo.centralized else f"{algo.comm.schedule.name} topology, "  # centralized methods use none
@@ -116,7 +118,8 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
                  f"{graph}{algo.flat.numel:,} parameters")
     try:
         summary = run_training(task, algo, cfg, console=console, run_info={
-            "app": name, "argv": sys.argv[1:] if argv is None else list(argv), "settings": settings})
+            "app": name, "argv": sys.argv[1:] if argv is None else list(argv),
+            **{k: v for k, v in recorded.items() if v is not None}})
     except Exception as exc:
         code = _refused(console, exc)
         if code is None:

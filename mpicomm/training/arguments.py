@@ -25,6 +25,7 @@ from ..algorithms import ALGORITHMS, make_algorithm
 from ..comm import Communicator, raise_together
 from ..comm.guard import DEFAULT_HANG_TIMEOUT_S
 from ..net import NAMED, parse_net
+from .auto import AUTO, add_auto_options, choose_algorithm
 from .device import place, place_task
 from .loop import LR_SCALINGS, TrainConfig, agree_steps_per_epoch
 from .options import add_algorithm_options, config_kwargs, foreign_option, settle_app_defaults
@@ -57,7 +58,9 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     """A parser with the options shared by every app (the app adds its own data/model options)."""
     p = argparse.ArgumentParser(description=description, formatter_class=DefaultsHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--algorithm", default=default_algorithm, help=f"one of {', '.join(sorted(ALGORITHMS))}")
+    p.add_argument("--algorithm", default=default_algorithm,
+                   help=f"one of {', '.join(sorted(ALGORITHMS))}, or auto: the fastest for this job's model, "
+                        "ranks and network (mpicomm plan), within --auto-tolerance accuracy points")
     p.add_argument("--topology", default="ring", help=f"one of {', '.join(sorted(topology.TOPOLOGIES))}")
     p.add_argument("--net", default="", help="model this network on top of the real transfers: BANDWIDTH,LATENCY "
                    f"such as 1gbit,100us, or one of {', '.join(NAMED)}, or intra=SETTING,inter=SETTING for the "
@@ -142,13 +145,17 @@ def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Names
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--algorithm", default=parser.get_default("algorithm"))
     known, _ = pre.parse_known_args(argv)
-    add_algorithm_options(parser, known.algorithm)
+    if known.algorithm == AUTO:
+        add_auto_options(parser)
+    else:
+        add_algorithm_options(parser, known.algorithm)
     typed = sys.argv[1:] if argv is None else list(argv)
     problem = foreign_option(parser, known.algorithm, typed)
     if problem:
         raise OptionRefused(problem)
     args = parser.parse_args(argv)
-    settle_app_defaults(args, known.algorithm, typed)
+    if known.algorithm != AUTO:
+        settle_app_defaults(args, known.algorithm, typed)
     return args
 
 
@@ -239,6 +246,8 @@ def _build(args, comm, cfg, device, build, console):
     raise_together(comm, error)
     steps_per_epoch = agree_steps_per_epoch(task, comm, console)
     raise_together(comm, _error_of(cfg.check_total, steps_per_epoch))
+    if args.algorithm == AUTO:
+        args.auto_choice = choose_algorithm(args, comm, task, console)
     options = config_kwargs(args, args.algorithm)
     if "total_steps" in derived_options(args):
         options["total_steps"] = cfg.total_steps(steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction

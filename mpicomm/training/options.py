@@ -14,8 +14,8 @@ import re
 
 from ..algorithms import ALGORITHMS
 
-__all__ = ["APP_DEFAULTS", "add_algorithm_options", "config_kwargs", "field_help", "foreign_option", "key_values",
-           "number_or_word", "settle_app_defaults"]
+__all__ = ["APP_DEFAULTS", "add_algorithm_options", "add_config_options", "config_kwargs", "field_help",
+           "foreign_option", "key_values", "number_or_word", "settle_app_defaults"]
 
 
 def number_or_word(text: str):
@@ -86,11 +86,11 @@ results use trains with (the library keeps 0, plain SGD), for each algorithm who
 see :func:`settle_app_defaults`, whose other options on the command line leave room for it)."""
 
 
-def _app_default(cls, field: dataclasses.Field):
+def _app_default(config_class, field: dataclasses.Field):
     """``field``'s default on the command line: :data:`APP_DEFAULTS`' value where the config accepts it."""
     if field.name in APP_DEFAULTS:
         try:
-            cls.config_class(**{field.name: APP_DEFAULTS[field.name]})
+            config_class(**{field.name: APP_DEFAULTS[field.name]})
             return APP_DEFAULTS[field.name]
         except (ValueError, TypeError):
             pass
@@ -100,14 +100,18 @@ def _app_default(cls, field: dataclasses.Field):
 def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     """Add the options of algorithm ``name``'s config (``--lr``, ``--bits``, …) to ``parser``."""
     if name not in ALGORITHMS:
-        parser.error(f"--algorithm: unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+        parser.error(f"--algorithm: unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)} or auto")
     cls = ALGORITHMS[name]
-    described = field_help(cls.config_class)
     first_line = _plain((cls.__doc__ or cls.config_class.__doc__ or name).strip().splitlines()[0])
-    group = parser.add_argument_group(f"{name} options", first_line)
-    for field in dataclasses.fields(cls.config_class):
+    add_config_options(parser.add_argument_group(f"{name} options", first_line), cls.config_class)
+
+
+def add_config_options(group, config_class) -> None:
+    """Add one option per field of the dataclass ``config_class`` to the argparse ``group``."""
+    described = field_help(config_class)
+    for field in dataclasses.fields(config_class):
         flag = "--" + field.name.replace("_", "-")
-        default = _app_default(cls, field)
+        default = _app_default(config_class, field)
         if default is dataclasses.MISSING:
             continue
         text = described.get(field.name, "")

@@ -1,0 +1,75 @@
+"""``--algorithm auto``: the app chooses with the planner, trains the choice, records it, and keeps it on resume.
+
+Run in-process by the apps' ``main`` on the 2-rank tier. On a 100 kbit/s network a 75k-parameter ResNet-8's
+fp32 exchange takes seconds against a compute step well under one, so the choice must be a compressed method
+(the planner's ranking itself is tested against known answers in ``test_plan.py``); the resumed run, told
+the network is fast (where the planner takes AllReduce-SGD), keeps the recorded choice instead. An impossible
+tolerance or a bad network is one line, exit 2.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+from .app_runs import app_module
+from .conftest import assert_all
+
+pytestmark = pytest.mark.mpi
+
+BASE = ["--model", "resnet8", "--batch-size", "16", "--eval-limit", "32", "--eval-bn-batches", "1",
+        "--max-steps", "4", "--log-every", "2", "--no-progress", "--algorithm", "auto"]
+UNCOMPRESSED = {"allreduce_sgd", "dpsgd", "pdsgdm", "diloco"}
+
+
+@pytest.fixture(scope="module")
+def main():
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() != 2:
+        pytest.skip("runs once, in the 2-rank tier")
+    return app_module("train_resnet").main
+
+
+def _starts(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, filter(str.strip, f)) if r["event"] == "start"]
+
+
+def test_the_choice_is_trained_recorded_and_kept_on_resume(comm, main, tmp_path_factory, capsys):
+    out = comm.bcast(str(tmp_path_factory.mktemp("auto")) if comm.Get_rank() == 0 else None)
+    args = [*BASE, "--out-dir", out, "--save-every", "2"]
+    first = main([*args, "--auto-net", "100kbit,10ms", "--stop-at-step", "2"])
+    second = main([*args, "--auto-net", "fast", "--resume", "latest"])
+    said = capsys.readouterr().out
+    problems = []
+    if comm.Get_rank() == 0:
+        starts = _starts(out)
+        chosen = [s.get("auto", {}) for s in starts]
+        if len(starts) != 2 or not all(chosen):
+            problems.append(f"start records without the choice: {starts}")
+        else:
+            if chosen[0]["algorithm"] in UNCOMPRESSED or starts[0]["algorithm"] != chosen[0]["algorithm"]:
+                problems.append(f"on 100 kbit/s: chose {chosen[0]['algorithm']}, trained {starts[0]['algorithm']}")
+            if not (chosen[1].get("resumed") and starts[1]["algorithm"] == chosen[0]["algorithm"]):
+                problems.append(f"the resumed run chose again: {chosen[1]}, trained {starts[1]['algorithm']}")
+            if not (chosen[0]["net"] == "100kbit,10ms" and chosen[0]["step_time_s"] > 0 and chosen[0]["fastest"]):
+                problems.append(f"the record lacks what decided: {chosen[0]}")
+        if "--algorithm auto: " not in said:
+            problems.append("no console line names the choice")
+    stopped = 128 + int(signal.SIGUSR1)
+    assert_all(comm, first == stopped and second == 0 and not problems, f"exit {first}, {second}; {problems}")
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    (["--auto-tolerance", "-1"], "--algorithm auto: --auto-tolerance must be >= 0 accuracy points, got -1.0"),
+    (["--auto-net", "12 parrots"], "--auto-net: expected BANDWIDTH,LATENCY"),
+])
+def test_an_impossible_request_is_one_line(comm, main, capsys, extra, line):
+    capsys.readouterr()
+    code = main([*BASE, *extra])
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    expected = f"train_resnet: error: {line}"
+    ok = code == 2 and (comm.Get_rank() != 0 or (len(lines) == 1 and lines[0].startswith(expected)))
+    assert_all(comm, ok, f"exit {code}; stderr {lines}")
