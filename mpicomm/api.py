@@ -29,6 +29,8 @@ parameters must be float32 (or float64): half precision is for the compute, unde
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
 import traceback
@@ -138,6 +140,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
     decentralized methods gossip on (``ring``, ``torus``, ``exponential``, …). ``net``: a network to model
     on top of the real transfers (``"1gbit,100us"``). ``options``: the algorithm's own (``bits=1``, …).
     Every rank must call it with the same arguments; a bad one is the same one-line error on every rank.
+
+    ``algorithm="auto"`` lets the planner choose (``mpicomm plan``; :mod:`mpicomm.plan.choose`): give
+    ``step_time=`` (seconds of one forward and backward pass of your step) and optionally ``tolerance=``
+    (accuracy points, default 0.3) and the options every method shares (``lr``, ``momentum``, …). The network
+    is ``net`` if given, else a probe of the transport. With your optimizer only methods that take it qualify.
+    The returned algorithm's ``auto_choice`` holds the choice, why and what was measured.
     """
     from . import topology as topologies
     from .algorithms import make_algorithm
@@ -147,10 +155,47 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
     graph, error = None, None
     try:
         graph = topologies.build(topology, job.size)
+        if algorithm == "auto":
+            auto, options = _auto_request(options)
     except (ValueError, TypeError) as exc:
         error = exc
     raise_together(job.world, error)
-    return make_algorithm(algorithm, model, Communicator(job.world, graph, net=net), optimizer=optimizer, **options)
+    comm = Communicator(job.world, graph, net=net)
+    if algorithm != "auto":
+        return make_algorithm(algorithm, model, comm, optimizer=optimizer, **options)
+    from .plan.choose import accepted_options, plan_choice
+
+    record = plan_choice(model, comm, auto["step_time"], net or "", auto["tolerance"],
+                         user_optimizer=optimizer is not None, net_source="net=" if net else "")
+    chosen = accepted_options(record["algorithm"], record["options"], options)
+    algo = make_algorithm(record["algorithm"], model, comm, optimizer=optimizer, **chosen)
+    algo.auto_choice = record
+    if job.rank == 0:
+        logging.getLogger("mpicomm").info("algorithm='auto': %s (%s); %s", record["algorithm"], record["label"],
+                                          record["reason"])
+    return algo
+
+
+def _auto_request(options: dict) -> tuple[dict, dict]:
+    """``wrap(..., "auto", step_time=S, tolerance=T, **shared)``: (the request, the shared options), or
+    ``ValueError`` naming what is missing or not taken."""
+    from .algorithms.base import AlgorithmConfig
+    from .plan.accuracy import NOISE_POINTS
+
+    options = dict(options)
+    request = {"step_time": options.pop("step_time", None), "tolerance": options.pop("tolerance", NOISE_POINTS)}
+    shared = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    extra = sorted(set(options) - shared)
+    if extra:
+        raise ValueError(f"algorithm='auto' takes step_time, tolerance and the options every method shares "
+                         f"({', '.join(sorted(shared))}); got {', '.join(extra)}")
+    step_time = request["step_time"]
+    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
+        raise ValueError("algorithm='auto' needs step_time=SECONDS > 0: the compute of one forward and backward "
+                         f"pass of your training step (time a few steps of your loop); got {step_time!r}")
+    return request, options
+
+
 
 
 def sampler(dataset, *, shuffle: bool = True, seed: int = 0):

@@ -13,6 +13,8 @@ import signal
 
 import pytest
 
+from mpicomm.errors import agreed_of
+
 from .app_runs import app_module
 from .conftest import assert_all
 
@@ -73,3 +75,49 @@ def test_an_impossible_request_is_one_line(comm, main, capsys, extra, line):
     expected = f"train_resnet: error: {line}"
     ok = code == 2 and (comm.Get_rank() != 0 or (len(lines) == 1 and lines[0].startswith(expected)))
     assert_all(comm, ok, f"exit {code}; stderr {lines}")
+
+
+def test_wrap_auto_takes_a_method_for_the_user_optimizer_and_trains(comm):
+    """``mpicomm.wrap(model, optimizer, "auto", step_time=...)``: on a 100 kbit/s network a compressed method
+    that takes the user's optimizer, trained in step (the ranks' averaged model moves), the choice on the
+    algorithm."""
+    import torch
+
+    import mpicomm
+
+    def body() -> str:
+        torch.manual_seed(comm.Get_rank())
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        algo = mpicomm.wrap(model, optimizer, "auto", step_time=0.01, tolerance=0.3, net="100kbit,10ms")
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            algo.zero_grad()
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+            algo.step()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        record = getattr(algo, "auto_choice", {})
+        problems = [] if moved else ["the model did not move"]
+        if algo.name != record.get("algorithm") or algo.name in UNCOMPRESSED or not algo.takes_optimizer:
+            problems.append(f"trained {algo.name}, the choice was {record}")
+        algo.close()
+        return "; ".join(problems)
+
+    try:
+        problem = body()
+    except Exception as exc:  # noqa: BLE001 - reported collectively
+        problem = repr(exc)
+    assert_all(comm, not problem, problem)
+
+
+def test_wrap_auto_without_a_step_time_is_one_error_on_every_rank(comm):
+    import torch
+
+    import mpicomm
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"algorithm='auto' needs step_time=SECONDS > 0") as caught:
+        mpicomm.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto")
+    mark = agreed_of(caught.value)  # agreed: every rank raised it, mpicomm.init's handler prints it once
+    messages = comm.allgather(str(caught.value))
+    assert_all(comm, mark is not None and len(set(messages)) == 1, f"{mark}; {messages}")

@@ -4,9 +4,8 @@ At start-up, after the model and data are built, every rank:
 
 1. times the compute of a training step: one warm-up and three timed forward-and-backward passes of the
    app's own loss on its first batches, the slowest rank's median kept (the step waits for it);
-2. takes the network from ``--auto-net``, else ``--net``, else probes the real MPI transport: the median of
-   20 allreduces of 8 bytes gives the latency and of 5 allreduces of 4 MiB the bandwidth, read through the
-   same ring-allreduce formula the planner prices with (:class:`~mpicomm.net.CostModel`);
+2. takes the network from ``--auto-net``, else ``--net``, else probes the real MPI transport
+   (:mod:`mpicomm.plan.choose`);
 3. rank 0 ranks every candidate of ``mpicomm plan`` on this model's layer shapes, ranks, ranks per node,
    batch size, network and codec costs (:mod:`mpicomm.plan.model`) and takes the fastest one whose measured
    accuracy cost is within ``--auto-tolerance`` points; every rank gets its choice. The apps' options describe
@@ -34,9 +33,9 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.base import AlgorithmConfig
-from ..algorithms.centralized.adam import AdamConfig
 from ..comm import raise_together
-from ..net import NetSpec, parse_net
+from ..net import parse_net
+from ..plan.choose import accepted_options, plan_choice
 from .device import to_device
 from .metrics import read_metrics
 from .options import add_config_options
@@ -45,9 +44,6 @@ __all__ = ["AUTO", "add_auto_options", "choose_algorithm"]
 
 AUTO = "auto"
 """The ``--algorithm`` value that asks the apps to choose."""
-
-_PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20  # bytes of the latency and the bandwidth probes' allreduces
-
 
 def add_auto_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``--algorithm auto``: the base options every method shares, the tolerance, the network."""
@@ -78,21 +74,14 @@ def choose_algorithm(args: argparse.Namespace, comm, task, console) -> dict:
     if recorded:
         record = dict(recorded, resumed=True)
     else:
-        step_time = _step_time(task, comm)
         net, source = (args.auto_net, "--auto-net") if args.auto_net else (args.net, "--net") if args.net \
-            else (_probe_network(comm), "probed")
-        ranks_per_node = comm.node_layout(require_equal=False).local_size
-        record, refusal = None, ""
-        if comm.rank == 0:  # one rank plans (codec costs are timed where none are cached), every rank follows
-            try:
-                record = _plan(task.model, comm.size, ranks_per_node, net, step_time, args)
-                record.update(net=net, net_source=source, step_time_s=step_time, ranks_per_node=ranks_per_node)
-            except ValueError as exc:
-                refusal = str(exc)
-        record, refusal = comm.bcast_object((record, refusal), 0, "the automatic choice")
-        raise_together(comm, ValueError(refusal) if refusal else None)
+            else ("", "")
+        record = plan_choice(task.model, comm, _step_time(task, comm), net, args.auto_tolerance,
+                             batch_size=args.batch_size, overlap=args.precision != "fp16", net_source=source,
+                             who="--algorithm auto", flag="--auto-tolerance")
     args.algorithm = record["algorithm"]
-    options = _options(args, record)
+    options = accepted_options(args.algorithm, record["options"],
+                               {f.name: getattr(args, f.name) for f in dataclasses.fields(AlgorithmConfig)})
     defaults = {f.name: f.default for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
     for field in dataclasses.fields(AlgorithmConfig):  # a shared option the choice refuses takes its default
         setattr(args, field.name, options.pop(field.name, defaults[field.name]))
@@ -103,20 +92,6 @@ def choose_algorithm(args: argparse.Namespace, comm, task, console) -> dict:
         console.info(f"--algorithm auto: {record['algorithm']} ({record['label']}); {how}; network {record['net']} "
                      f"({record['net_source']}), compute {1e3 * record['step_time_s']:.1f} ms per step")
     return record
-
-
-def _options(args: argparse.Namespace, record: dict) -> dict:
-    """The chosen method's options: the candidate's own, and the shared ones given to auto that it accepts."""
-    config_class = ALGORITHMS[record["algorithm"]].config_class
-    options = dict(record["options"])
-    for field in dataclasses.fields(AlgorithmConfig):
-        trial = {**options, field.name: getattr(args, field.name)}
-        try:
-            config_class(**trial)
-        except (ValueError, TypeError):
-            continue  # e.g. momentum for a method whose own optimizer takes none: its default stays
-        options = trial
-    return options
 
 
 def _recorded_choice(args: argparse.Namespace, comm) -> dict | None:
@@ -156,58 +131,3 @@ def _step_time(task, comm) -> float:
     model.zero_grad(set_to_none=True)
     mine = statistics.median(times) if times else 0.0
     return max(comm.allgather_object(mine, "the step-time measurement"))
-
-
-def _probe_network(comm) -> str:
-    """Collective: the transport's latency and bandwidth as a ``--net`` setting (``fast`` on one rank)."""
-    n = comm.size
-    if n == 1:
-        return "fast"
-    hops = 2 * (n - 1)
-
-    def median_allreduce(nbytes: int, repeats: int) -> float:
-        buf = np.zeros(nbytes // 4, dtype=np.float32)
-        out = np.empty_like(buf)
-        comm.comm.Allreduce(buf, out)  # warm-up: connections, buffers
-        times = []
-        for _ in range(repeats):
-            comm.comm.Barrier()
-            t0 = time.perf_counter()
-            comm.comm.Allreduce(buf, out)
-            times.append(time.perf_counter() - t0)
-        return max(comm.allgather_object(statistics.median(times), "the network probe"))
-
-    small, large = median_allreduce(_PROBE_SMALL, 20), median_allreduce(_PROBE_LARGE, 5)
-    alpha = small / hops
-    seconds = max(large - hops * alpha, 1e-9)
-    bytes_per_s = hops / n * _PROBE_LARGE / seconds
-    return str(NetSpec(8 * bytes_per_s, alpha))
-
-
-def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, step_time: float,
-          args: argparse.Namespace) -> dict:
-    """Rank the planner's candidates for this job; the choice as a record (``ValueError``: one line)."""
-    from ..plan.codec_cost import codec_costs
-    from ..plan.model import Job, auto_choice, rank_candidates
-    from ..plan.shapes import layers_of
-
-    if parse_net(net) is None:
-        raise ValueError("--auto-net: expected BANDWIDTH,LATENCY such as 1gbit,100us, a name or intra=...,inter=...")
-    layers = layers_of([tuple(p.shape) for p in model.parameters() if p.requires_grad])
-    job = Job(layers, ranks, net, step_time, ranks_per_node, args.batch_size, codec_costs())
-    ranked = rank_candidates(job)
-    preds = [p for p in ranked if not issubclass(ALGORITHMS[p.candidate.algorithm].config_class, AdamConfig)]
-    try:
-        choice, reason = auto_choice(preds, args.auto_tolerance)
-    except ValueError as exc:
-        raise ValueError(f"--algorithm auto: {str(exc).replace('--tolerance', '--auto-tolerance')}") from None
-    cand = choice.candidate
-    options = dict(cand.options)
-    if cand.overlap and choice.exposed_overlap_s < choice.exposed_s and args.precision != "fp16":
-        options["overlap"] = True  # the prediction hides the exchange behind backward (fp16 cannot overlap)
-    return {"algorithm": cand.algorithm, "candidate": cand.key, "label": cand.setting, "options": options,
-            "reason": reason, "tolerance": args.auto_tolerance,
-            "left_out": [p.candidate.key for p in ranked if p not in preds], "predicted_step_s": choice.step_s,
-            "fastest": [{"candidate": p.candidate.key, "step_s": p.step_s,
-                         "accuracy_points": p.accuracy.points if p.accuracy.measured else None}
-                        for p in preds[:5]]}
