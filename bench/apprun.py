@@ -24,7 +24,8 @@ from bench.common import REPO, RUNS, enter_loopback_namespace
 
 SETTINGS = {"fast": "10gbit,1us", "gbit": "1gbit,100us", "slow": "100mbit,1ms"}
 
-__all__ = ["SETTINGS", "AppRun", "bench_parser", "describe", "launch", "run_grid", "time_to_target"]
+__all__ = ["SETTINGS", "AppRun", "bench_parser", "describe", "launch", "read_complete", "run_grid",
+           "time_to_target"]
 
 
 @dataclass
@@ -160,6 +161,18 @@ def run_grid(name: str, app: str, ranks: int, base: list[str], cases: list[tuple
 def describe(settings: str) -> str:
     """``fast = 10gbit,1us, ...`` for the chosen settings."""
     return ", ".join(f"{s} = {SETTINGS[s]}" for s in settings.split(","))
+
+
+def read_complete(path: str) -> list[dict]:
+    """The complete JSON lines of a metrics file (a line cut off by a killed or stopped job is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
 
 
 def _read(path: str) -> list[dict]:

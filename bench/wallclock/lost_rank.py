@@ -35,25 +35,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import launch  # noqa: E402
+from bench.apprun import launch, read_complete  # noqa: E402
 from bench.common import REPO, RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 BASE = ["--batch-size", "32", "--lr", "0.1", "--momentum", "0.9", "--topology", "ring",
         "--log-every", "1", "--eval-every", "22", "--epochs", "100"]
 METHODS = {"dpsgd": "D-PSGD", "allreduce_sgd": "AllReduce-SGD", "moniqua": "Moniqua", "diloco": "DiLoCo",
            "cpdsgdm": "CPD-SGDM"}
-
-
-def read(path: str) -> list[dict]:
-    """The complete JSON lines of a metrics file (a line cut off by the kill is skipped)."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -120,7 +108,7 @@ def killed_and_resumed(ranks: int, args: list[str], save_every: int, kill_at: in
     victim, seen, deadline = None, 0, time.monotonic() + 900
     while job.poll() is None and time.monotonic() < deadline:
         if os.path.exists(metrics):
-            steps = [r["step"] for r in read(metrics) if r["event"] == "train"]
+            steps = [r["step"] for r in read_complete(metrics) if r["event"] == "train"]
             seen = max(steps, default=0)
             if seen >= kill_at:
                 victim = rank_pid(job.pid, ranks - 1)
@@ -137,7 +125,7 @@ def killed_and_resumed(ranks: int, args: list[str], save_every: int, kill_at: in
     ended_s = time.monotonic() - killed_at
     if victim is None:
         raise RuntimeError(f"the job ended (exit {job.returncode}) before step {kill_at}:\n{out[-3000:]}")
-    before = read(metrics)
+    before = read_complete(metrics)
     last_step = max(r["step"] for r in before if r["event"] == "train")
     checkpoints = [r["step"] for r in before if r["event"] == "checkpoint"]
 
@@ -147,7 +135,7 @@ def killed_and_resumed(ranks: int, args: list[str], save_every: int, kill_at: in
                                text=True, start_new_session=True)
     first_step_s = None
     while resumed.poll() is None:
-        records = read(metrics)[len(before):]
+        records = read_complete(metrics)[len(before):]
         if first_step_s is None and any(r["event"] == "train" for r in records):
             first_step_s = time.monotonic() - t0
         time.sleep(0.05)
@@ -155,7 +143,7 @@ def killed_and_resumed(ranks: int, args: list[str], save_every: int, kill_at: in
     resume_s = time.monotonic() - t0
     if resumed.returncode != 0:
         raise RuntimeError(f"{' '.join(second)} exited {resumed.returncode}:\n{resumed_out[-3000:]}")
-    after = read(metrics)[len(before):]
+    after = read_complete(metrics)[len(before):]
     resume = next(r for r in after if r["event"] == "resume")
     resize = next((r for r in after if r["event"] == "resize"), None)
     end = after[-1]
@@ -214,7 +202,7 @@ def main() -> None:
             print(f"  ran    {label} killed + resumed     {time.perf_counter() - t0:6.1f} s", flush=True)
         else:
             print(f"  reuse  {label} killed + resumed", flush=True)
-        killed_records = read(os.path.join(where, "killed", "metrics.jsonl"))
+        killed_records = read_complete(os.path.join(where, "killed", "metrics.jsonl"))
         before = killed_records[:next(i for i, r in enumerate(killed_records) if r["event"] == "resume")]
         lost["training_s_lost"] = seconds_of_steps(before, lost["resumed_from_step"], lost["last_step_before_kill"])
         acc_full = full.end["test_accuracy"]

@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import AppRun, finished, launch  # noqa: E402
+from bench.apprun import AppRun, finished, launch, read_complete  # noqa: E402
 from bench.common import REPO, RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 BASE = ["--batch-size", "32", "--topology", "ring", "--log-every", "1", "--epochs", "100"]
@@ -65,18 +65,6 @@ DEFAULT = ["allreduce_sgd", "compressed_sgd", "powersgd", "apmsqueeze", "dpsgd",
 FAMILIES = ("centralized", "decentralized", "DiLoCo")
 STOPPED_EXIT = 128 + signal.SIGUSR1  # a run that --stop-at-step ended (as if SIGUSR1 arrived)
 JOBS = {"ran": 0, "reused": 0}  # this invocation's jobs
-
-
-def read(path: str) -> list[dict]:
-    """The complete JSON lines of a metrics file."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
 
 
 def command(ranks: int, args: list[str], run_dir: str) -> list[str]:
@@ -125,7 +113,7 @@ def stopped(ranks: int, args: list[str], stop: int, run_dir: str, label: str, fr
     os.makedirs(run_dir)
     t0 = time.perf_counter()
     rc, out = job(cmd)
-    records = read(os.path.join(run_dir, "metrics.jsonl"))
+    records = read_complete(os.path.join(run_dir, "metrics.jsonl"))
     end = records[-1] if records else {}
     if rc not in (0, STOPPED_EXIT) or end.get("event") != "end" or end.get("step") != stop:
         raise RuntimeError(f"{label}: {' '.join(cmd)} exited {rc}, last record {end}:\n{out[-3000:]}")
@@ -151,11 +139,11 @@ def resized(ranks: int, args: list[str], stopped_dir: str, run_dir: str, label: 
         return done
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(stopped_dir, run_dir, symlinks=True)
-    before = len(read(os.path.join(run_dir, "metrics.jsonl")))
+    before = len(read_complete(os.path.join(run_dir, "metrics.jsonl")))
     t0 = time.perf_counter()
     rc, out = job(cmd)
     seconds = time.perf_counter() - t0
-    after = read(os.path.join(run_dir, "metrics.jsonl"))[before:]
+    after = read_complete(os.path.join(run_dir, "metrics.jsonl"))[before:]
     end = after[-1] if after else {}
     done = {"command": cmd, "exit": rc, "job_s": seconds, "output_tail": out[-1500:]}
     if rc != 0 or end.get("event") != "end":
