@@ -1,4 +1,5 @@
-"""After every step the ranks agree, in one small collective, whether to go on.
+"""After every step the ranks agree, in one small collective, whether to go on (in lockstep; free-running
+ranks agree only after the rounds that reach an event, see :mod:`.pace`).
 
 Two things stop a run: a stop signal on any rank (SIGUSR1/SIGTERM: checkpoint, then exit), and a
 non-finite loss or parameter on any rank (the run has diverged: stop *without* checkpointing, so the

@@ -26,9 +26,13 @@ Every quantity that decides a collective is agreed, never derived per rank: the 
 from each epoch), hence the total, the evaluation points and the end. After each step the ranks agree,
 in one small collective, whether to stop (a signal: checkpoint and exit) or whether the run cannot go
 on (a non-finite loss or parameter, a metrics file that cannot be written: stop without saving); see
-:mod:`.health`. Errors every rank shares end the run with one message (:mod:`mpicomm.errors`). Every
-wait runs under the Communicator's hang guard (``hang_timeout`` in seconds, 0: never; None: the guard's
-own, ``MPICOMM_HANG_TIMEOUT`` or 600 s; :mod:`mpicomm.comm.guard`).
+:mod:`.health`. With ``free_running`` (asynchronous methods only) the ranks step at their own pace and share
+the run's steps; they agree only after the rounds of step counts that reach an event (:mod:`.pace`).
+``lr_scaling="linear"``: after a resume at another world size the learning rate is multiplied by this size
+over the size the run began at (kept in the checkpoint's position). Errors every rank shares end the run
+with one message (:mod:`mpicomm.errors`). Every wait runs under the Communicator's hang guard
+(``hang_timeout`` in seconds, 0: never; None: the guard's own, ``MPICOMM_HANG_TIMEOUT`` or 600 s;
+:mod:`mpicomm.comm.guard`).
 
 Monitoring collectives (loss averages for the log, that agreement) go through the Communicator's
 control plane and are not booked in the Ledger: the Ledger counts what the algorithm sends. Evaluation (which averages
