@@ -25,12 +25,15 @@ BASE = ["--model", "resnet8", "--batch-size", "16", "--eval-limit", "32", "--eva
 UNCOMPRESSED = {"allreduce_sgd", "dpsgd", "pdsgdm", "diloco"}
 
 
+@pytest.fixture(autouse=True)
+def _at_two_ranks(comm):
+    """Every case runs once, in the 2-rank tier (on one rank every exchange is free: nothing to choose)."""
+    if comm.Get_size() != 2:
+        pytest.skip("runs once, in the 2-rank tier")
+
+
 @pytest.fixture(scope="module")
 def main():
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.Get_size() != 2:
-        pytest.skip("runs once, in the 2-rank tier")
     return app_module("train_resnet").main
 
 
