@@ -3,8 +3,10 @@
     python bench/planner/predicted_vs_measured.py [--ranks 4] [--settings fast,gbit,slow] [--steps 16]
         [--candidates all] [--fresh] [--out planner_vs_measured]
 
-For each ``--net`` setting (bench/apprun.py's SETTINGS: fast 10gbit,1us; gbit 1gbit,100us; slow 100mbit,1ms)
-and each candidate of ``mpicomm plan`` (mpicomm/plan/candidates.py), one real ``mpiexec -n RANKS`` job of
+For each ``--net`` setting (bench/apprun.py's SETTINGS: fast 10gbit,1us; gbit 1gbit,100us; slow 100mbit,1ms;
+or ``shaped:BANDWIDTH``: every rank's link really shaped to BANDWIDTH with no added latency by
+scripts/netshape.sh, MPI over TCP, instead of the modelled network) and each candidate of ``mpicomm plan``
+(mpicomm/plan/candidates.py), one real ``mpiexec -n RANKS`` job of
 ``apps/train_resnet.py`` trains ResNet-20 on the embedded digits (32 images per rank per step, ring, the
 candidate's algorithm and options, ``--overlap`` where the planner credits overlap) for ``--steps`` steps
 under that modelled network, a metrics line every step.
@@ -35,16 +37,22 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from bench.apprun import SETTINGS, launch  # noqa: E402
-from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
+from bench.common import REPO, RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 from mpicomm.plan.accuracy import NOISE_POINTS  # noqa: E402
 from mpicomm.plan.candidates import CANDIDATES, Candidate  # noqa: E402
 from mpicomm.plan.codec_cost import codec_costs  # noqa: E402
 from mpicomm.plan.model import Job, auto_choice, predict  # noqa: E402
 from mpicomm.plan.shapes import layers_for_model  # noqa: E402
 
+NETSHAPE = os.path.join(REPO, "scripts", "netshape.sh")
 BASE = ["--model", "resnet20", "--batch-size", "32", "--topology", "ring", "--log-every", "1", "--epochs", "100"]
 FIRST_COUNTED = 4  # steps 1-4 hold start-up and APMSqueeze's warm-up; the mean runs over steps 5 .. --steps
 ADAM_LR = ["--lr", "0.001"]  # an Adam-type candidate's step size (the step's time does not depend on it)
+
+
+def net_of(setting: str) -> str:
+    """The network string of a setting: a SETTINGS name's, or ``shaped:BANDWIDTH``'s (no added latency)."""
+    return f"{setting.split(':', 1)[1]},0us" if setting.startswith("shaped:") else SETTINGS[setting]
 
 
 def flags(cand: Candidate, overlap: bool) -> list[str]:
@@ -60,15 +68,19 @@ def flags(cand: Candidate, overlap: bool) -> list[str]:
 
 
 def measure_case(cand: Candidate, ranks: int, setting: str, steps: int, layers, costs, fresh: bool) -> dict:
-    """Run ``cand`` once under ``setting``; its measured and predicted step (ms) and the split."""
-    blank = predict(Job(layers, ranks, SETTINGS[setting], 0.1, ranks, 32, costs), cand)
+    """Run ``cand`` once under ``setting`` (a SETTINGS name: modelled; ``shaped:BANDWIDTH``: real shaping);
+    its measured and predicted step (ms) and the split."""
+    shaped = setting.startswith("shaped:")
+    net = net_of(setting)
+    blank = predict(Job(layers, ranks, net, 0.1, ranks, 32, costs), cand)
     overlap = cand.overlap and blank.exposed_overlap_s < blank.exposed_s
-    run_dir = os.path.join(RUNS, "planner_vs_measured", f"r{ranks}_{setting}", cand.key)
+    run_dir = os.path.join(RUNS, "planner_vs_measured", f"r{ranks}_{setting.replace(':', '_')}", cand.key)
+    launcher = [NETSHAPE, "mpirun", "--ranks", str(ranks), "--net", net, "--"] if shaped else None
     run = launch(f"{cand.key} {setting} x{ranks}", "train_resnet.py", ranks,
-                 [*BASE, *flags(cand, overlap), "--max-steps", str(steps), "--net", SETTINGS[setting]], run_dir,
-                 fresh=fresh)
+                 [*BASE, *flags(cand, overlap), "--max-steps", str(steps), *([] if shaped else ["--net", net])],
+                 run_dir, fresh=fresh, launcher=launcher)
     split = run.per_step(first=FIRST_COUNTED)
-    pred = predict(Job(layers, ranks, SETTINGS[setting], split["compute_s"], ranks, 32, costs), cand)
+    pred = predict(Job(layers, ranks, net, split["compute_s"], ranks, 32, costs), cand)
     return {"candidate": cand.key, "algorithm": cand.algorithm, "setting": cand.setting, "overlap": overlap,
             "measured_ms": 1e3 * split["step_s"], "predicted_ms": 1e3 * pred.step_s,
             "compute_ms": 1e3 * split["compute_s"], "comm_ms": 1e3 * split["comm_s"], "wait_ms": 1e3 * split["wait_s"],
@@ -89,8 +101,8 @@ def verdict(rows: list[dict], ranks: int, setting: str, layers, costs, tolerance
     by_prediction = sorted(rows, key=lambda r: r["predicted_ms"])
     top3 = by_prediction[:3]
     compute = statistics.median(r["compute_ms"] for r in rows) / 1e3
-    common = [predict(Job(layers, ranks, SETTINGS[setting], compute, ranks, 32, costs), r["prediction"].candidate)
-              for r in rows]
+    net = net_of(setting)
+    common = [predict(Job(layers, ranks, net, compute, ranks, 32, costs), r["prediction"].candidate) for r in rows]
     choice, _ = auto_choice(common, tolerance)
     adjusted = {r["candidate"]: 1e3 * compute + r["measured_ms"] - r["compute_ms"] for r in rows}
     eligible = [r["candidate"] for r in rows if r["accuracy_points"] is not None and r["accuracy_points"] <= tolerance]
@@ -105,7 +117,9 @@ def main() -> None:
     """Run every (setting, candidate), then write the table and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--settings", default="fast,gbit,slow", help="comma list of " + ",".join(SETTINGS))
+    parser.add_argument("--settings", default="fast,gbit,slow",
+                        help="comma list of " + ",".join(SETTINGS) + ", or shaped:BANDWIDTH (real shaping with "
+                             "scripts/netshape.sh, e.g. shaped:100mbit; root, ip and tc)")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--candidates", default="all", help="comma list of candidate keys, or all")
     parser.add_argument("--tolerance", type=float, default=NOISE_POINTS, help="accuracy points for the choice")
@@ -142,10 +156,11 @@ def main() -> None:
     lines += ["", f"Machine: {args.ranks} ranks on 2 cores (oversubscribed above 2), 1-minute load average "
               f"{loads[0]:.1f} at the end. The measured compute is each run's own, so a method whose ranks wait "
               "longer lends more of the cores to the others' compute; the modelled network is charged as sleep "
-              "on top of the real loopback transfer, which the prediction leaves out."]
+              "on top of the real loopback transfer, which the prediction leaves out; a shaped setting's network is "
+              "the real one (TCP over veth links shaped with tc, each rank in its own network namespace)."]
     title = (f"Planner vs measurement: ResNet-20 on digits, {args.ranks} ranks, ring, steps "
              f"{FIRST_COUNTED + 1}-{args.steps}, "
-             f"--net {', '.join(f'{s} ({SETTINGS[s]})' for s in args.settings.split(','))}")
+             f"--net {', '.join(f'{s} ({net_of(s)})' for s in args.settings.split(','))}")
     write_table(args.out, title, markdown_table(header, rows) + "\n" + "\n".join(lines),
                 {"ranks": args.ranks, "steps": args.steps, "tolerance": args.tolerance, "rows": payload,
                  "verdicts": verdicts})
