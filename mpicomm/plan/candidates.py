@@ -19,20 +19,27 @@ from . import wire
 from .shapes import numel
 from .wire import Op
 
-__all__ = ["CANDIDATES", "Candidate", "candidate"]
+__all__ = ["BUCKETS", "CANDIDATES", "STEP", "Candidate", "candidate"]
+
+BUCKETS = "buckets"
+"""Overlap kind: gradient buckets communicated during backward (DDP's bucketing, ``GradBuckets``)."""
+STEP = "step"
+"""Overlap kind: the exchange of the current iterate runs from before forward until after backward."""
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One method and setting: ``key`` (unique), ``algorithm`` and ``options`` (for ``mpicomm.wrap``),
-    ``setting`` (shown), ``overlap`` (whether the method can hide its exchange behind backward),
+    ``setting`` (shown), ``overlap`` (how ``overlap=True`` hides the exchange: :data:`BUCKETS`, gradient buckets
+    sent during backward as it makes them ready; :data:`STEP`, the exchange of x(t) started before the forward
+    pass and finished after backward; ``""``: the method cannot overlap),
     ``traffic(layers, n, degree) -> (ops, period)`` and ``work(layers, n, degree) -> {codec: (enc, dec)}``."""
 
     key: str
     algorithm: str
     setting: str
     options: dict
-    overlap: bool
+    overlap: str
     traffic: Callable
     work: Callable = field(default=lambda layers, n, degree: {})
     decentralized: bool = False
@@ -138,26 +145,26 @@ _EFSIGN = _allgather(wire.ef_signsgd_payload, "sign")
 _POWER2, _POWER4 = _powersgd(2), _powersgd(4)
 
 CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("allreduce_sgd", "allreduce_sgd", "fp32", {}, True, _allreduce_fp32),
-    Candidate("dpsgd", "dpsgd", "fp32, ring", {}, True, _gossip_fp32(), decentralized=True),
-    Candidate("moniqua", "moniqua", "4-bit, 4 parts, ring", {}, True, _moniqua, _moniqua_work, True),
-    Candidate("choco_qsgd4", "choco", "qsgd 4-bit, ring", {"codec": "qsgd", "codec_options": {"bits": 4}}, False,
+    Candidate("allreduce_sgd", "allreduce_sgd", "fp32", {}, BUCKETS, _allreduce_fp32),
+    Candidate("dpsgd", "dpsgd", "fp32, ring", {}, STEP, _gossip_fp32(), decentralized=True),
+    Candidate("moniqua", "moniqua", "4-bit, 4 parts, ring", {}, STEP, _moniqua, _moniqua_work, True),
+    Candidate("choco_qsgd4", "choco", "qsgd 4-bit, ring", {"codec": "qsgd", "codec_options": {"bits": 4}}, "",
               _gossip_qsgd4(), _gossip_qsgd4_work, True),
-    Candidate("dcd_qsgd4", "dcd", "qsgd 4-bit, ring", {"codec": "qsgd", "codec_options": {"bits": 4}}, False,
+    Candidate("dcd_qsgd4", "dcd", "qsgd 4-bit, ring", {"codec": "qsgd", "codec_options": {"bits": 4}}, "",
               _gossip_qsgd4(), _gossip_qsgd4_work, True),
-    Candidate("pdsgdm_p4", "pdsgdm", "period 4, ring", {"period": 4}, False, _gossip_fp32(4), decentralized=True),
+    Candidate("pdsgdm_p4", "pdsgdm", "period 4, ring", {"period": 4}, "", _gossip_fp32(4), decentralized=True),
     Candidate("cpdsgdm_p4", "cpdsgdm", "qsgd 4-bit, period 4, ring",
-              {"period": 4, "codec": "qsgd", "codec_options": {"bits": 4}}, False, _gossip_qsgd4(4),
+              {"period": 4, "codec": "qsgd", "codec_options": {"bits": 4}}, "", _gossip_qsgd4(4),
               _gossip_qsgd4_work, True),
-    Candidate("qsgd4", "qsgd", "4-bit, bucket 512", {"bits": 4}, True, *_QSGD),
-    Candidate("terngrad", "terngrad", "2-bit, one scale", {}, False, *_TERNGRAD),
-    Candidate("ef_signsgd", "ef_signsgd", "1-bit + scale", {}, False, *_EFSIGN),
-    Candidate("powersgd_r2", "powersgd", "rank 2", {"rank": 2}, True, *_POWER2),
-    Candidate("powersgd_r4", "powersgd", "rank 4", {"rank": 4}, True, *_POWER4),
-    Candidate("hsq", "hsq", "d=16, K=256", {}, True, _hsq, _hsq_work),
-    Candidate("apmsqueeze", "apmsqueeze", "1-bit Adam (after warm-up)", {}, True, _apmsqueeze, _apmsqueeze_work),
-    Candidate("diloco_h10", "diloco", "H=10, fp32", {"period": 10}, False, _diloco(10)),
-    Candidate("sparseloco_h10", "sparseloco", "H=10, top 2 %, 2-bit", {"period": 10}, False, _sparseloco,
+    Candidate("qsgd4", "qsgd", "4-bit, bucket 512", {"bits": 4}, BUCKETS, *_QSGD),
+    Candidate("terngrad", "terngrad", "2-bit, one scale", {}, "", *_TERNGRAD),
+    Candidate("ef_signsgd", "ef_signsgd", "1-bit + scale", {}, "", *_EFSIGN),
+    Candidate("powersgd_r2", "powersgd", "rank 2", {"rank": 2}, BUCKETS, *_POWER2),
+    Candidate("powersgd_r4", "powersgd", "rank 4", {"rank": 4}, BUCKETS, *_POWER4),
+    Candidate("hsq", "hsq", "d=16, K=256", {}, BUCKETS, _hsq, _hsq_work),
+    Candidate("apmsqueeze", "apmsqueeze", "1-bit Adam (after warm-up)", {}, BUCKETS, _apmsqueeze, _apmsqueeze_work),
+    Candidate("diloco_h10", "diloco", "H=10, fp32", {"period": 10}, "", _diloco(10)),
+    Candidate("sparseloco_h10", "sparseloco", "H=10, top 2 %, 2-bit", {"period": 10}, "", _sparseloco,
               _sparseloco_work),
 )
 """Every candidate, allreduce_sgd (the reference of the speed-ups) first."""

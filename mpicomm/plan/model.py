@@ -8,9 +8,20 @@ For a candidate whose communicating step makes the calls ``ops`` and serves ``pe
   rank is on one node, otherwise on ``inter`` (a flat collective over several nodes is as slow as its
   slowest link);
 * codec work ``work = sum(encoded x encode cost + decoded x decode cost) / period`` (:mod:`.codec_cost`);
-* exposed communication: ``comm`` without overlap; with overlap (methods that take ``overlap=True``)
-  ``comm - min(comm, backward)``, backward taken as 2/3 of the compute time;
-* predicted step: ``compute + work + exposed`` (the overlapped figure where the method overlaps).
+* exposed communication: ``comm`` without overlap; with ``overlap=True``, by the method's overlap kind:
+
+  - gradient buckets (:data:`~.candidates.BUCKETS`: allreduce_sgd, qsgd, powersgd, hsq, apmsqueeze): the
+    flat gradient is cut into the buckets the method would launch (``bucket_ranges`` with the
+    ``OverlapConfig`` defaults: a first bucket of at least 1 MiB of fp32 from the last layer down, then
+    25 MiB ones); backward (2/3 of the compute) makes the gradients ready at a constant rate per element,
+    last layer first; each bucket's calls (the step's calls, their bytes scaled to the bucket's share)
+    start when it is ready and the previous bucket is done; exposed is what runs past the end of
+    backward. The last bucket is ready only when backward ends, so it is always exposed, and a model
+    smaller than the first bucket hides nothing;
+  - the step (:data:`~.candidates.STEP`: dpsgd, moniqua): the exchange of x(t) starts before the forward
+    pass and is waited for after backward: ``comm - min(comm, compute)``;
+* predicted step: ``compute + work + exposed``, the smaller of the two exposed figures (the automatic
+  choice turns overlap on only where it hides something).
 
 Throughput is ``ranks x batch / step``; scaling efficiency is one rank's step (the compute alone) over the
 predicted step.
@@ -21,16 +32,22 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..algorithms.shared.buckets import OverlapConfig, bucket_ranges
 from ..net import CostModel, parse_net
 from ..topology import ring
 from .accuracy import NOISE_POINTS, UNMEASURED, AccuracyCost, accuracy_costs
-from .candidates import CANDIDATES, Candidate
+from .candidates import BUCKETS, CANDIDATES, STEP, Candidate
 from .shapes import numel
+from .wire import Op
 
-__all__ = ["BACKWARD_SHARE", "Job", "Prediction", "auto_choice", "predict", "rank_candidates"]
+__all__ = ["BACKWARD_SHARE", "WORTH_SWITCHING", "Job", "Prediction", "auto_choice", "predict", "rank_candidates"]
 
 BACKWARD_SHARE = 2 / 3
 """The share of the compute time that backward takes, which overlap can hide communication behind."""
+
+WORTH_SWITCHING = 0.02
+"""The least predicted saving (a share of allreduce_sgd's step) for which the automatic choice leaves
+allreduce_sgd, the method that changes nothing about the training: a smaller one is within the model's error."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,31 @@ def _work(job: Job, cand: Candidate, degree: int) -> float:
     return total
 
 
+def _bucketed_exposed(job: Job, ops: list[Op], period: int, model: CostModel) -> float:
+    """Seconds of the bucketed exchange that run past the end of backward (see the module docstring)."""
+    n, d = job.ranks, job.numel
+    config = OverlapConfig()
+    backward = BACKWARD_SHARE * job.step_time
+    done = 0.0  # when the previous bucket's calls end, counted from the start of backward
+    ready = 0   # elements whose gradients backward has made so far
+    for lo, hi in bucket_ranges(list(job.layers), config.bucket_numel, config.first_bucket_numel):
+        ready += hi - lo
+        calls = sum(Op(op.kind, -(-op.nbytes * (hi - lo) // d), op.degree).seconds(model, n) for op in ops)
+        done = max(done, backward * ready / d) + calls
+    return max(0.0, done - backward) / period
+
+
+def _exposed_with_overlap(job: Job, cand: Candidate, ops: list[Op], period: int, model: CostModel,
+                          comm: float) -> float:
+    """Exposed seconds per step with ``overlap=True`` (``comm`` for a method that cannot overlap); the bucketed
+    figure may exceed ``comm`` (a latency per bucket), and then overlap is not worth choosing."""
+    if cand.overlap == BUCKETS and job.ranks > 1:
+        return _bucketed_exposed(job, ops, period, model)
+    if cand.overlap == STEP:
+        return comm - min(comm, job.step_time)
+    return comm
+
+
 def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Prediction:
     """The predicted step of ``cand`` on ``job`` (``accuracy``: :func:`~.accuracy.accuracy_costs`, read if None)."""
     n, degree = job.ranks, ring_degree(job.ranks)
@@ -122,14 +164,14 @@ def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Predicti
     model = job.cost_model()
     comm = sum(op.seconds(model, n) for op in ops) / period
     work = _work(job, cand, degree) / period if n > 1 else 0.0
-    hidden = min(comm, BACKWARD_SHARE * job.step_time) if cand.overlap else 0.0
-    step = job.step_time + work + comm - hidden
+    exposed = _exposed_with_overlap(job, cand, ops, period, model, comm)
+    step = job.step_time + work + min(comm, exposed)  # overlap is chosen only where it helps
     accuracy = accuracy_costs() if accuracy is None else accuracy
     return Prediction(
         candidate=cand, period=period,
         contributed_per_sync=sum(op.contributed() for op in ops), sent_per_sync=sum(op.sent(n) for op in ops),
         bits_per_param=8 * sum(op.contributed() for op in ops) / period / job.numel,
-        comm_s=comm, work_s=work, exposed_s=comm, exposed_overlap_s=comm - hidden, step_s=step,
+        comm_s=comm, work_s=work, exposed_s=comm, exposed_overlap_s=exposed, step_s=step,
         compute_s=job.step_time, throughput=n * job.batch_size / step, efficiency=job.step_time / step,
         accuracy=accuracy.get(cand.key, UNMEASURED))
 
@@ -145,7 +187,8 @@ def rank_candidates(job: Job, candidates=CANDIDATES) -> list[Prediction]:
 
 
 def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS) -> tuple[Prediction, str]:
-    """The fastest prediction whose measured accuracy cost is at most ``tolerance`` points, and why.
+    """The fastest prediction whose measured accuracy cost is at most ``tolerance`` points, and why;
+    allreduce_sgd instead when that one saves less than :data:`WORTH_SWITCHING` of its step.
 
     ``ValueError`` (one line) when ``tolerance`` is negative or no measured candidate is within it.
     """
@@ -159,6 +202,11 @@ def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS) -> tup
         raise ValueError(f"no measured candidate costs at most {tolerance} accuracy points (the least is "
                          f"{min(measured):+.2f}); raise --tolerance")
     best = min(within, key=lambda p: (p.step_s, p.candidate.key))
+    reference = next((p for p in within if p.candidate.key == "allreduce_sgd"), None)
+    if reference is not None and best is not reference and best.step_s >= (1 - WORTH_SWITCHING) * reference.step_s:
+        return reference, (f"allreduce_sgd ({1e3 * reference.step_s:.1f} ms): the fastest candidate within "
+                           f"{tolerance} accuracy points ({best.candidate.key}, {1e3 * best.step_s:.1f} ms) is "
+                           f"predicted to save less than {100 * WORTH_SWITCHING:g} % of its step")
     faster = [p for p in preds if p.step_s < best.step_s]
     reason = (f"fastest predicted step ({1e3 * best.step_s:.1f} ms, {best.speedup:.2f}x allreduce_sgd) among the "
               f"measured candidates within {tolerance} accuracy points (it cost {best.accuracy.points:+.2f})")

@@ -39,7 +39,8 @@ def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") ->
     lines.append("")
     lines += [f"[{i}] docs/results/{s}" for i, s in enumerate(sources, 1)]
     lines.append("MB/step: bytes sent per step and rank (the Ledger's count), averaged over a period; "
-                 "exposed: communication not hidden; overlapped: with overlap=True (backward = 2/3 of compute).")
+                 "exposed: communication not hidden; overlapped: with overlap=True (buckets sent as backward, 2/3 "
+                 "of the compute, makes them ready; gossip hidden behind the whole step); the step takes the smaller.")
     if choice is not None:
         c = choice.candidate
         options = ", ".join(f"{k}={v!r}" for k, v in c.options.items())

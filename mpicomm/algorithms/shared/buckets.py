@@ -34,7 +34,7 @@ import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_range
 
-__all__ = ["GradBuckets", "LaunchedTraffic", "OverlapConfig"]
+__all__ = ["GradBuckets", "LaunchedTraffic", "OverlapConfig", "bucket_ranges"]
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,19 @@ class LaunchedTraffic:
             self._last_step = {k: now[k] - self._first_launch[k] for k in now}
 
 
-def _cut(algo: Algorithm, bucket_numel: int, first_bucket_numel: int, align: int) -> list[list[int]]:
-    """[lo, hi) of each bucket in launch order (descending offsets), boundaries on multiples of ``align``."""
+def bucket_ranges(layers, bucket_numel: int, first_bucket_numel: int, align: int = 1) -> list[list[int]]:
+    """[lo, hi) of each bucket in launch order (descending offsets) over the flat ``layers`` (each with
+    ``offset`` and ``numel``, in flat order), boundaries on multiples of ``align``; empty buckets dropped."""
     ranges: list[list[int]] = []
     full = True
-    for layer in reversed(algo.flat.layers):
+    for layer in reversed(layers):
         if full:
             ranges.append([layer.offset, layer.offset + layer.numel])
         ranges[-1][0] = layer.offset
         least = min(bucket_numel, first_bucket_numel) if len(ranges) == 1 else bucket_numel
         full = ranges[-1][1] - ranges[-1][0] >= least
-    edges = [algo.flat.numel] + [lo // align * align for lo, _ in ranges]  # descending; the last is 0
+    total = layers[-1].offset + layers[-1].numel if layers else 0
+    edges = [total] + [lo // align * align for lo, _ in ranges]  # descending; the last is 0
     return [[lo, hi] for hi, lo in zip(edges, edges[1:]) if lo < hi]
 
 
@@ -101,7 +103,7 @@ class GradBuckets:
                  launch: Callable[[int, int], object], align: int = 1):
         self.algo = algo
         self.launch = launch
-        self.ranges = _cut(algo, bucket_numel, first_bucket_numel, align)
+        self.ranges = bucket_ranges(algo.flat.layers, bucket_numel, first_bucket_numel, align)
         self.owners: list[list[int]] = []  # the buckets each parameter overlaps
         self.size = [0] * len(self.ranges)
         for layer in algo.flat.layers:
