@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     slurm_sub.add_parser("regenerate", help="rewrite slurm/<preset>.sbatch from slurm/generic.sbatch")
     check = slurm_sub.add_parser("check", help="what would stop a rendered job: project, venv, app, data, options "
                                                "(one line each, exit 2), before it is queued")
-    check.add_argument("job", help="the job file (mpicomm slurm render -o JOB.sbatch, or slurm/<preset>.sbatch)")
+    check.add_argument("job", nargs="+", help="the job files (mpicomm slurm render -o JOB.sbatch, or "
+                                              "slurm/<preset>.sbatch)")
     from .plan.command import add_arguments as plan_arguments
 
     plan_arguments(sub.add_parser("plan", help="rank the methods and settings by predicted step time (no MPI)"))

@@ -14,31 +14,15 @@ unfrozen), so that such a parameter is never silently left out of training.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
+
+from .layer import Layer
 
 __all__ = ["TRAINABLE_DTYPES", "FlatParameters", "Layer"]
 
 TRAINABLE_DTYPES = (torch.float32, torch.float64)
 """What the flat buffer holds: the codecs' scales, the error buffers and the MPI reductions are full precision."""
-
-
-@dataclass(frozen=True)
-class Layer:
-    """Where one parameter tensor lives in the flat buffer."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of this parameter."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
 
 
 class FlatParameters:

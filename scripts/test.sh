@@ -81,7 +81,8 @@ if wanted quick; then
 fi
 # two pytest-xdist workers: the serial tests are mostly 2-rank app jobs and their start-up, which leave one of
 # two cores idle about a third of the time under one worker
-if wanted serial; then tier serial python -m pytest -q -n 2 --dist worksteal "$@"; fi
+# Files named tests/test_*_mpi.py hold only mpi-marked tests (which the serial tier would skip): not collected.
+if wanted serial; then tier serial python -m pytest -q -n 2 --dist worksteal --ignore-glob='tests/test_*_mpi.py' "$@"; fi
 # 4 ranks: every MPI test. 2 ranks: all but the files whose paths do not depend on the count beyond 1 vs
 # many (SAME_AT_ANY_COUNT: resume, devices, user optimizers), which run once, at 4 ranks, where a ring has two
 # distinct neighbours. 1 rank: neither those nor the examples (which run once, at 2 ranks). 3 ranks, an odd
@@ -90,20 +91,31 @@ if wanted serial; then tier serial python -m pytest -q -n 2 --dist worksteal "$@
 # unequal node layouts, the collectives and the checkpoint of an odd world, a user's script where one rank of
 # three differs (that file skips itself at 1 and 4 ranks). The decentralized methods see no
 # new case at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the
-# serial topology tests). Test files named on the command line replace ODD_COUNT at 3 ranks.
-SAME_AT_ANY_COUNT=(--ignore=tests/test_resume_mpi.py --ignore=tests/test_loop_optimizer_mpi.py
-                   --ignore=tests/test_device_mpi.py --ignore=tests/test_user_optimizer_mpi.py)
+# serial topology tests). Test files named on the command line replace these lists at every count.
+SAME_AT_ANY_COUNT=(tests/test_resume_mpi.py tests/test_loop_optimizer_mpi.py tests/test_device_mpi.py
+                   tests/test_user_optimizer_mpi.py)
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
            tests/test_net_mpi.py tests/test_choco_sums_mpi.py tests/test_user_script_mpi.py)
+# Every rank collects only the files that hold mpi-marked tests (collecting a file imports it: seconds per
+# rank), unless test files are named on the command line.
+MPI_FILES=($(grep -l 'mark\.mpi' tests/test_*.py))
+except() {  # except FILE...: MPI_FILES without those
+  local f out=(); for f in "${MPI_FILES[@]}"; do [[ " $* " == *" $f "* ]] || out+=("$f"); done; echo "${out[@]}"
+}
 named=0; for arg in "$@"; do [[ $arg == tests/* ]] && named=1; done
 for n in 1 2 3 4; do
   wanted "mpi-$n" || continue
   only=()
-  [ "$n" = 1 ] && only=("${SAME_AT_ANY_COUNT[@]}" --ignore=tests/test_examples_mpi.py)
-  [ "$n" = 2 ] && only=("${SAME_AT_ANY_COUNT[@]}")
-  [ "$n" = 3 ] && [ "$named" = 0 ] && only=("${ODD_COUNT[@]}")
+  if [ "$named" = 0 ]; then
+    case $n in
+      1) only=($(except "${SAME_AT_ANY_COUNT[@]}" tests/test_examples_mpi.py)) ;;
+      2) only=($(except "${SAME_AT_ANY_COUNT[@]}")) ;;
+      3) only=("${ODD_COUNT[@]}") ;;
+      4) only=("${MPI_FILES[@]}") ;;
+    esac
+  fi
   tier "mpi-$n" env MPICOMM_EXPECT_RANKS="$n" \
     mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
 done

@@ -98,81 +98,114 @@ def _cifar10_fixture(root) -> None:
         (folder / name).write_bytes(pickle.dumps(batch))
 
 
-def _check(job: str, data_dir, cwd, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def _check(jobs: list[str], data_dir, cwd, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MPICOMM_HOME", "VENV", "DATA")}
     env.update(MPICOMM_DATA_DIR=str(data_dir), **(extra_env or {}))
-    return subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "check", job], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "check", *jobs], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=600)
+
+
+@dataclasses.dataclass
+class Checked:
+    """One job file's part of a ``mpicomm slurm check`` of several: its lines, and the command's exit status
+    and whole output."""
+
+    lines: list
+    returncode: int
+    output: str
 
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
     """``mpicomm slurm check`` on every preset rendered by ``mpicomm slurm render`` (run from a folder that is
-    not the checkout), with the data present and, for the presets whose data the job cannot fetch, absent; run
-    side by side (each check imports its app: seconds). Returns {case: (job file, CompletedProcess)}."""
+    not the checkout), with the data present and, for the presets whose data the job cannot fetch, absent.
+    One command per setting checks all its job files (their apps are probed by one Python); the settings run
+    side by side. Returns {case: (job file, Checked)}."""
     from concurrent.futures import ThreadPoolExecutor
 
     work = tmp_path_factory.mktemp("check")
     present, absent = work / "data-present", work / "data-absent"
     _cifar10_fixture(present)
     absent.mkdir()
-    cases = {}
+    settings = {"present": (present, None), "absent": (absent, None), "checked-in": (absent, None),
+                "options": (present, {"EXTRA_ARGS": "--model resnet20 --no-such-option 3"}),
+                "venv": (present, {"VENV": str(work / "nowhere")}), "mixed": (present, None)}
+    jobs = {setting: [] for setting in settings}
     for name in sorted(PRESETS):
         job = work / f"{name}.sbatch"
         subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", name, "-o", str(job)], cwd=work,
                        check=True, capture_output=True)
-        cases[("present", name)] = (str(job), present, work, None)
+        jobs["present"].append((("present", name), str(job)))
         if name in CIFAR:
-            cases[("absent", name)] = (str(job), absent, work, None)
+            jobs["absent"].append((("absent", name), str(job)))
     # the checked-in file itself (no project path written in it: found as the folder above slurm/)
-    cases[("checked-in", "resnet20_cpu")] = (os.path.join(repo_slurm_dir(), "resnet20_cpu.sbatch"), absent, work, None)
+    jobs["checked-in"].append((("checked-in", "resnet20_cpu"), os.path.join(repo_slurm_dir(), "resnet20_cpu.sbatch")))
     # an option the app's parser does not know, and a venv that is not there
-    cases[("bad", "options")] = (str(work / "resnet20_cpu.sbatch"), present, work, {"EXTRA_ARGS": "--model resnet20 "
-                                                                                      "--no-such-option 3"})
-    cases[("bad", "venv")] = (str(work / "resnet20_cpu.sbatch"), present, work, {"VENV": str(work / "nowhere")})
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {key: pool.submit(_check, *args) for key, args in cases.items()}
-        return {key: (cases[key][0], future.result()) for key, future in futures.items()}
+    jobs["options"].append((("bad", "options"), str(work / "resnet20_cpu.sbatch")))
+    jobs["venv"].append((("bad", "venv"), str(work / "resnet20_cpu.sbatch")))
+    # a good job and a bad one in one command
+    subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", "resnet20_cpu", "-o", str(work / "bad.sbatch"),
+                    "--set", "EXTRA_ARGS=--no-such-option 3"], cwd=work, check=True, capture_output=True)
+    jobs["mixed"] = [(("mixed", "good"), str(work / "resnet20_cpu.sbatch")),
+                     (("mixed", "bad"), str(work / "bad.sbatch"))]
+    with ThreadPoolExecutor(max_workers=len(settings)) as pool:
+        futures = {setting: pool.submit(_check, [job for _, job in jobs[setting]], data_dir, work, env)
+                   for setting, (data_dir, env) in settings.items()}
+        out = {}
+        for setting, future in futures.items():
+            proc = future.result()
+            for key, job in jobs[setting]:
+                mine = [line for line in proc.stdout.splitlines() if line.startswith(f"{job}: ")]
+                out[key] = (job, Checked(mine, proc.returncode, proc.stdout + proc.stderr))
+        return out
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_rendered_preset_passes_the_check_with_its_data_present(checked, name):
-    job, proc = checked[("present", name)]
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job, got = checked[("present", name)]
+    assert got.returncode == 0, got.output  # every preset of the command passed
     preset = PRESETS[name]
-    assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith(
-        f"{job}: OK: {preset['APP']} with {preset['ALGORITHM']} from {REPO}, data {preset['DATA']} in "), proc.stdout
+    assert len(got.lines) == 1 and got.lines[0].startswith(
+        f"{job}: OK: {preset['APP']} with {preset['ALGORITHM']} from {REPO}, data {preset['DATA']} in "), got.output
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", CIFAR)
 def test_a_preset_whose_data_is_absent_and_not_fetchable_gets_exactly_the_data_missing_line(checked, name, tmp_path):
-    job, proc = checked[("absent", name)]
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"{job}: data: cifar10 is missing (")
-    assert "cannot be fetched by the job; on a login node: download cifar-10-python.tar.gz" in lines[0]
-    assert "tar xzf cifar-10-python.tar.gz -C " in lines[0] and "data-absent/cifar10" in lines[0]
+    job, got = checked[("absent", name)]
+    assert got.returncode == 2, got.output
+    assert len(got.lines) == 1, got.lines
+    assert got.lines[0].startswith(f"{job}: data: cifar10 is missing (")
+    assert "cannot be fetched by the job; on a login node: download cifar-10-python.tar.gz" in got.lines[0]
+    assert "tar xzf cifar-10-python.tar.gz -C " in got.lines[0] and "data-absent/cifar10" in got.lines[0]
 
 
 @pytest.mark.timeout(900)
 def test_check_finds_the_project_of_a_checked_in_template_and_takes_fetchable_data_as_fetched(checked):
-    job, proc = checked[("checked-in", "resnet20_cpu")]
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith(f"{job}: OK: apps/train_resnet.py with dpsgd from {REPO}, data mnist in ")
+    job, got = checked[("checked-in", "resnet20_cpu")]
+    assert got.returncode == 0, got.output
+    assert got.lines[0].startswith(f"{job}: OK: apps/train_resnet.py with dpsgd from {REPO}, data mnist in ")
 
 
 @pytest.mark.timeout(900)
 def test_check_reports_an_unknown_option_and_a_missing_venv_in_one_line_each(checked):
-    job, proc = checked[("bad", "options")]
-    assert proc.returncode == 2 and proc.stdout.splitlines() == [
-        f"{job}: options: unrecognized arguments: --no-such-option 3"], proc.stdout + proc.stderr
-    job, proc = checked[("bad", "venv")]
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[0] == (f"{job}: venv: {os.path.dirname(job)}/nowhere/bin/activate does not exist "
-                                           "(scripts/setup_env.sh creates it; or set VENV)")
+    job, got = checked[("bad", "options")]
+    assert got.returncode == 2 and got.lines == [
+        f"{job}: options: unrecognized arguments: --no-such-option 3"], got.output
+    job, got = checked[("bad", "venv")]
+    assert got.returncode == 2, got.output
+    assert got.lines[0] == (f"{job}: venv: {os.path.dirname(job)}/nowhere/bin/activate does not exist "
+                            "(scripts/setup_env.sh creates it; or set VENV)")
+
+
+def test_one_check_of_several_jobs_answers_for_each_and_fails_if_any_fails(checked):
+    """A good job and one rendered with an option its app does not know, in one command: the good one's OK
+    line first, then the bad one's problem, exit 2 (the all-good command above exits 0)."""
+    (good, first), (bad, second) = checked[("mixed", "good")], checked[("mixed", "bad")]
+    assert first.returncode == 2 and first.output.splitlines() == first.lines + second.lines, first.output
+    assert len(first.lines) == 1 and first.lines[0].startswith(f"{good}: OK: apps/train_resnet.py with dpsgd")
+    assert second.lines == [f"{bad}: options: unrecognized arguments: --no-such-option 3"], second.output
 
 
 def _run_job_offline(name: str, tmp_path, data_dir) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ vector for the rest: a stand-in that states its assumption (:func:`layers_from_p
 
 from __future__ import annotations
 
-from ..flat import Layer
+from ..layer import Layer
 
 __all__ = ["MODELS", "cifar_resnet", "layers_for_model", "layers_from_params", "layers_of", "numel"]
 

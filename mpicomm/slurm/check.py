@@ -1,4 +1,5 @@
-"""``mpicomm slurm check JOB.sbatch``: what would stop a rendered job, found before it waits in the queue.
+"""``mpicomm slurm check JOB.sbatch [JOB.sbatch ...]``: what would stop a rendered job, found before it waits in
+the queue.
 
 It resolves the job's settings as the job's shell would from this shell (a parameter exported here, as
 ``sbatch`` passes the environment on, wins over the file's default), then checks, in order:
@@ -22,7 +23,7 @@ import subprocess
 
 from .template import parse_template
 
-__all__ = ["check_job", "job_settings", "main_check"]
+__all__ = ["check_job", "check_jobs", "job_settings", "main_check"]
 
 _DEFAULT_DATA_DIR = "$HOME/.cache/mpicomm/data"
 
@@ -72,13 +73,14 @@ def _argv(settings: dict[str, str]) -> list[str]:
     return argv + settings.get("EXTRA_ARGS", "").split()
 
 
-def check_job(job_path: str, environ: dict | None = None) -> tuple[list[str], str]:
-    """``(problems, summary)`` for the job file ``job_path``: one line per problem, and what the job will do."""
+def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | None]:
+    """``(problems, probe)`` for one job file before its Python runs: what is already wrong, and what the probe
+    needs (None when nothing is left to probe)."""
     with open(job_path) as f:
         settings = job_settings(f.read(), environ)
     home, problem = _home(settings, job_path)
     if problem:
-        return [problem], ""
+        return [problem], None
     problems = []
     venv = settings.get("VENV") or os.path.join(home, ".venv")
     venv = venv if os.path.isabs(venv) else os.path.join(home, venv)
@@ -87,43 +89,82 @@ def check_job(job_path: str, environ: dict | None = None) -> tuple[list[str], st
     app = os.path.join(home, settings.get("APP", ""))
     if not os.path.isfile(app):
         problems.append(f"app: {app} does not exist")
-        return problems, ""
+        return problems, None
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(python):
         python = "python3"
     spec = {"app": app, "argv": _argv(settings), "data": settings.get("DATA", ""),
             "fetcher": os.path.join(home, "apps", "fetch_data.py")}
+    return problems, {"python": python, "home": home, "settings": settings, "spec": spec}
+
+
+def _run_probe(python: str, home: str, data_dir: str, specs: list[dict], environ: dict | None) -> list:
+    """Each spec's probe answer (a dict), or one line saying why the job's Python could not answer (a str)."""
     probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
     run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    env = dict(os.environ if environ is None else environ, MPICOMM_DATA_DIR=settings["MPICOMM_DATA_DIR"])
+    env = dict(os.environ if environ is None else environ, MPICOMM_DATA_DIR=data_dir)
     try:
-        proc = subprocess.run([python, "-c", run, probe, json.dumps(spec)], cwd=home, env=env,
+        proc = subprocess.run([python, "-c", run, probe, json.dumps(specs)], cwd=home, env=env,
                               capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return problems + [f"python: {python} does not run ({exc})"], ""
+        return [f"python: {python} does not run ({exc})"] * len(specs)
     lines = proc.stdout.strip().splitlines()
     try:
         found = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     except ValueError:
         found = None
-    if not isinstance(found, dict):
+    if not (isinstance(found, list) and len(found) == len(specs) and all(isinstance(x, dict) for x in found)):
         last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return problems + [f"python: {python} could not check the app's options: {last}"], ""
-    data = settings.get("DATA", "")
-    summary = (f"{settings.get('APP')} with {settings.get('ALGORITHM')} from {home}"
-               + (f", data {data} in {settings['MPICOMM_DATA_DIR']}" if data else "")
-               + "".join(f"; {note}" for note in found.get("notes", [])))
-    return problems + found.get("problems", []), summary
+        return [f"python: {python} could not check the app's options: {last}"] * len(specs)
+    return found
+
+
+def check_jobs(job_paths: list[str], environ: dict | None = None) -> list[tuple[list[str], str]]:
+    """``(problems, summary)`` for each job file: one line per problem, and what the job will do. Jobs that run
+    the same Python from the same project are probed by one process (the app and torch imported once)."""
+    early = [_probe_spec(path, environ) for path in job_paths]
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, todo) in enumerate(early):
+        if todo is not None:
+            key = (todo["python"], todo["home"], todo["settings"]["MPICOMM_DATA_DIR"])
+            groups.setdefault(key, []).append(i)
+    answers: dict[int, dict | str] = {}
+    for (python, home, data_dir), members in groups.items():
+        found = _run_probe(python, home, data_dir, [early[i][1]["spec"] for i in members], environ)
+        answers.update(zip(members, found))
+    out = []
+    for i, (problems, todo) in enumerate(early):
+        if todo is None:
+            out.append((problems, ""))
+            continue
+        found = answers[i]
+        if isinstance(found, str):
+            out.append((problems + [found], ""))
+            continue
+        settings, data = todo["settings"], todo["settings"].get("DATA", "")
+        summary = (f"{settings.get('APP')} with {settings.get('ALGORITHM')} from {todo['home']}"
+                   + (f", data {data} in {settings['MPICOMM_DATA_DIR']}" if data else "")
+                   + "".join(f"; {note}" for note in found.get("notes", [])))
+        out.append((problems + found.get("problems", []), summary))
+    return out
+
+
+def check_job(job_path: str, environ: dict | None = None) -> tuple[list[str], str]:
+    """``(problems, summary)`` for the job file ``job_path`` (:func:`check_jobs` of one)."""
+    return check_jobs([job_path], environ)[0]
 
 
 def main_check(args) -> int:
-    """Print one line per problem of the job file (exit 2), or one OK line (exit 0)."""
-    if not os.path.isfile(args.job):
-        raise ValueError(f"{args.job}: no such job file")
-    problems, summary = check_job(args.job)
-    for line in problems:
-        print(f"{args.job}: {line}")
-    if problems:
-        return 2
-    print(f"{args.job}: OK: {summary}")
-    return 0
+    """For each job file, one line per problem (exit 2 if any job has one), or one OK line (exit 0 if all do)."""
+    for job in args.job:
+        if not os.path.isfile(job):
+            raise ValueError(f"{job}: no such job file")
+    status = 0
+    for job, (problems, summary) in zip(args.job, check_jobs(args.job)):
+        for line in problems:
+            print(f"{job}: {line}")
+        if problems:
+            status = 2
+        else:
+            print(f"{job}: OK: {summary}")
+    return status

@@ -1,9 +1,10 @@
 """The part of ``mpicomm slurm check`` that runs in the job's own Python, from the job's project folder.
 
-Run as ``python probe.py SPEC`` (``SPEC``: JSON with ``app``, ``argv``, ``data``, ``fetcher``): it imports the
-app, parses ``argv`` with the app's own parser and the algorithm's options (no MPI is started), builds the
-algorithm's config and the loop's, checks the data the command line names, and prints, as its last line
-of output, JSON ``{"problems": [one line each], "notes": [what the job will do, e.g. fetch the data]}``.
+Run as ``python probe.py SPECS`` (``SPECS``: a JSON list of objects with ``app``, ``argv``, ``data``,
+``fetcher``): for each, it imports the app (once per file), parses ``argv`` with the app's own parser and the
+algorithm's options (no MPI is started), builds the algorithm's config and the loop's, checks the data the
+command line names, and prints, as its last line of output, the JSON list of answers, each
+``{"problems": [one line each], "notes": [what the job will do, e.g. fetch the data]}``.
 It imports only what any mpicomm install has, so an older or newer install in the job's environment still
 answers.
 """
@@ -88,26 +89,35 @@ def _data(args, data: str, fetcher, notes: list[str]) -> list[str]:
     return problems
 
 
-def main() -> None:
-    """Read the JSON spec from ``sys.argv[1]`` and print the JSON list of problems."""
-    spec = json.loads(sys.argv[1])
+def _answer(spec: dict, imported: dict) -> dict:
+    """The problems and notes of one spec; ``imported`` caches each Python file's module (or import error)."""
     problems, notes = [], []
-    try:
-        app = _import(spec["app"], "mpicomm_checked_app")
-    except Exception as exc:  # noqa: BLE001 - whatever stops the import stops the job the same way
-        problems.append(f"app: importing {spec['app']} failed: {type(exc).__name__}: {exc}")
-    else:
-        args, problem = _options(app, spec["argv"])
-        if problem:
-            problems.append(f"options: {problem}")
-        else:
-            fetcher = None
-            if os.path.isfile(spec["fetcher"]):
-                fetcher = _import(spec["fetcher"], "mpicomm_checked_fetch_data")
-            elif spec["data"]:
-                problems.append(f"data: DATA={spec['data']} but {spec['fetcher']} does not exist")
-            problems += _data(args, spec["data"], fetcher, notes)
-    print(json.dumps({"problems": problems, "notes": notes}))
+    if spec["app"] not in imported:
+        try:
+            imported[spec["app"]] = _import(spec["app"], f"mpicomm_checked_app_{len(imported)}")
+        except Exception as exc:  # noqa: BLE001 - whatever stops the import stops the job the same way
+            imported[spec["app"]] = f"app: importing {spec['app']} failed: {type(exc).__name__}: {exc}"
+    app = imported[spec["app"]]
+    if isinstance(app, str):
+        return {"problems": [app], "notes": notes}
+    args, problem = _options(app, spec["argv"])
+    if problem:
+        return {"problems": [f"options: {problem}"], "notes": notes}
+    fetcher = None
+    if os.path.isfile(spec["fetcher"]):
+        if spec["fetcher"] not in imported:
+            imported[spec["fetcher"]] = _import(spec["fetcher"], f"mpicomm_checked_fetch_data_{len(imported)}")
+        fetcher = imported[spec["fetcher"]]
+    elif spec["data"]:
+        problems.append(f"data: DATA={spec['data']} but {spec['fetcher']} does not exist")
+    problems += _data(args, spec["data"], fetcher, notes)
+    return {"problems": problems, "notes": notes}
+
+
+def main() -> None:
+    """Read the JSON list of specs from ``sys.argv[1]`` and print the JSON list of answers."""
+    imported: dict = {}
+    print(json.dumps([_answer(spec, imported) for spec in json.loads(sys.argv[1])]))
 
 
 if __name__ == "__main__":
