@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2, 3 and 4 ranks, the CPU part of
-# scripts/gpu_check.sh and, beside them, rendered sbatch templates on a real single-node SLURM (root only;
-# installed from Debian if missing).
+# scripts/gpu_check.sh (beside the 1-rank tier, which leaves a core idle) and, beside them all, rendered sbatch
+# templates on a real single-node SLURM (root only; installed from Debian if missing).
 #
 #   scripts/test.sh                         every tier (what CI runs)
 #   scripts/test.sh mpi-3 slurm             only the tiers named: lint serial mpi-1 mpi-2 mpi-3 mpi-4
@@ -53,17 +53,32 @@ tier() {  # tier NAME COMMAND...: run COMMAND under the backstop limit, report i
   fi
   [ $rc = 0 ] || failed+=("$name (exit $rc)")
 }
+# A tier that leaves a core idle runs beside others: its output is kept and printed when it is joined.
+beside_pids=() beside_logs=() beside_names=()
+beside() {  # beside NAME COMMAND...: start the tier in the background
+  local log; log=$(mktemp)
+  ( failed=(); tier "$@"; [ ${#failed[@]} = 0 ] ) > "$log" 2>&1 &
+  beside_pids+=($!) beside_logs+=("$log") beside_names+=("$1")
+  echo "== $1: started beside the other tiers (its output follows when it ends)"
+}
+join_beside() {  # join_beside [NAME]: wait for the tiers started beside (or only NAME), print their output
+  local i keep_pids=() keep_logs=() keep_names=()
+  for i in "${!beside_pids[@]}"; do
+    if [ -n "${1:-}" ] && [ "${beside_names[$i]}" != "$1" ]; then
+      keep_pids+=("${beside_pids[$i]}") keep_logs+=("${beside_logs[$i]}") keep_names+=("${beside_names[$i]}")
+      continue
+    fi
+    wait "${beside_pids[$i]}" || failed+=("${beside_names[$i]}")
+    cat "${beside_logs[$i]}"; rm -f "${beside_logs[$i]}"
+  done
+  beside_pids=("${keep_pids[@]}") beside_logs=("${keep_logs[@]}") beside_names=("${keep_names[@]}")
+}
 # The SLURM tier mostly waits (the scheduler's interval, a requeued job's credential hold, a modelled 500 ms
-# latency per step), so it runs beside the other tiers, its output printed when it is joined at the end.
-slurm_log=$(mktemp)
-slurm_pid=
+# latency per step): it runs beside all the other tiers.
 if ! wanted slurm; then
   :
 elif [ "$(id -u)" = 0 ] && command -v slurmctld >/dev/null && command -v sbatch >/dev/null; then
-  echo "== slurm: started beside the other tiers (its output follows the GPU check)"
-  ( tier slurm scripts/slurm_local.sh python -m pytest -q -p no:cacheprovider -m slurm \
-      tests/test_slurm.py; [ ${#failed[@]} = 0 ] ) > "$slurm_log" 2>&1 &
-  slurm_pid=$!
+  beside slurm scripts/slurm_local.sh python -m pytest -q -p no:cacheprovider -m slurm tests/test_slurm.py
 else
   echo "== slurm: skipped (needs root and Debian's slurmctld/slurmd/munge; scripts/install_slurm.sh installs them)"
 fi
@@ -105,6 +120,8 @@ except() {  # except FILE...: MPI_FILES without those
   local f out=(); for f in "${MPI_FILES[@]}"; do [[ " $* " == *" $f "* ]] || out+=("$f"); done; echo "${out[@]}"
 }
 named=0; for arg in "$@"; do [[ $arg == tests/* ]] && named=1; done
+gpu_check=(env PYTHON="$PWD/.venv/bin/python" scripts/gpu_check.sh --cpu-only
+           --out "${TMPDIR:-/tmp}/mpicomm-gpu-check")   # the GPU check's CPU part, so it cannot rot
 for n in 1 2 3 4; do
   wanted "mpi-$n" || continue
   only=()
@@ -116,18 +133,14 @@ for n in 1 2 3 4; do
       4) only=("${MPI_FILES[@]}") ;;
     esac
   fi
+  # one rank keeps one core busy: the GPU check's CPU part uses the other
+  if [ "$n" = 1 ] && wanted gpu-check-cpu; then beside gpu-check-cpu "${gpu_check[@]}"; gpu_done=1; fi
   tier "mpi-$n" env MPICOMM_EXPECT_RANKS="$n" \
     mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
+  [ "$n" = 1 ] && [ -n "${gpu_done:-}" ] && join_beside gpu-check-cpu
 done
-if wanted gpu-check-cpu; then
-  tier gpu-check-cpu env PYTHON="$PWD/.venv/bin/python" scripts/gpu_check.sh --cpu-only \
-    --out "${TMPDIR:-/tmp}/mpicomm-gpu-check"   # so it cannot rot
-fi
-if [ -n "$slurm_pid" ]; then
-  wait "$slurm_pid" || failed+=("slurm")
-  cat "$slurm_log"
-fi
-rm -f "$slurm_log"
+if wanted gpu-check-cpu && [ -z "${gpu_done:-}" ]; then tier gpu-check-cpu "${gpu_check[@]}"; fi
+join_beside
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED tiers: ${failed[*]}"
   exit 1

@@ -1,6 +1,7 @@
 """Shared fixtures. MPI is imported lazily so the serial tier never needs a launcher."""
 
 import contextlib
+import os
 import subprocess
 import traceback
 
@@ -11,6 +12,39 @@ from hypothesis import settings
 # and ranks drawing different examples would enter different collectives.
 settings.register_profile("mpicomm", derandomize=True, deadline=None, database=None)
 settings.load_profile("mpicomm")
+
+
+# The serial tier's longest files and their rough cost in seconds on 2 idle cores (module fixtures that start
+# several MPI jobs, a cold kernel compile). pytest-xdist's worksteal scheduler hands each worker one contiguous
+# share of the collected list (the first len // workers tests to the first worker, and so on) and lets an idle
+# worker steal from the end of another's; so each share starts with long files, dealt to the least loaded share,
+# and the short tests follow and balance the rest. Only the order of files changes; a file's tests stay together.
+LONG_FILES = {"test_app_failures.py": 116, "test_resize.py": 115, "test_apps.py": 84, "test_kernel_warmup.py": 70,
+              "test_app_resume_settings.py": 56, "test_user_script.py": 54, "test_adpsgd.py": 42,
+              "test_slurm_presets.py": 30}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the tests for the workers of pytest-xdist (see :data:`LONG_FILES`); without workers, long files first."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    files = {}
+    for item in items:
+        files.setdefault(item.path.name, []).append(item)
+    shares = [[] for _ in range(workers)]
+    load = [0] * workers
+    for name in sorted((n for n in LONG_FILES if n in files), key=LONG_FILES.get, reverse=True):
+        least = load.index(min(load))
+        shares[least] += files[name]
+        load[least] += LONG_FILES[name]
+    rest = [item for item in items if item.path.name not in LONG_FILES]
+    ordered, left = [], len(items)
+    for i, share in enumerate(shares):
+        size = left // (workers - i)  # what the scheduler sends this worker
+        take = max(0, size - len(share)) if i < workers - 1 else len(rest)
+        ordered += share + rest[:take]
+        rest = rest[take:]
+        left -= len(share) + take
+    items[:] = ordered
 
 
 @pytest.fixture
