@@ -3,6 +3,7 @@
 import contextlib
 import os
 import subprocess
+import threading
 import traceback
 
 import pytest
@@ -45,6 +46,47 @@ def pytest_collection_modifyitems(config, items):
         rest = rest[take:]
         left -= len(share) + take
     items[:] = ordered
+
+
+def _timeout_of(item) -> float:
+    """The pytest-timeout limit of ``item`` in seconds (its ``timeout`` mark, else the ini value; 0: none)."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None:
+        value = mark.args[0] if mark.args else mark.kwargs.get("timeout", 0)
+    else:
+        value = item.config.getini("timeout") or 0
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _say_hung(nodeid: str, limit: float) -> None:
+    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+    line = (f"HUNG: {nodeid} is still running after {limit - 1:g} s{f' on rank {rank}' if rank else ''}; "
+            f"pytest-timeout ends it at {limit:g} s (the timeout in setup.cfg, or -o timeout=SECONDS)\n")
+    fd = int(os.environ.get("MPICOMM_TEST_CONSOLE_FD", "2"))  # tests/mpi_run.py: the rank's real stderr
+    try:
+        os.write(fd, line.encode())
+    except OSError:
+        os.write(2, line.encode())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """One line naming a test about to be ended by pytest-timeout (whose own report is a stack dump, and
+    under MPI only the ranks' stacks): printed a second before the limit, on the console."""
+    limit = _timeout_of(item)
+    timer = None
+    if limit > 2:
+        timer = threading.Timer(limit - 1, _say_hung, (item.nodeid, limit))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 @pytest.fixture

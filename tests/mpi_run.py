@@ -91,6 +91,7 @@ def main() -> int:
             sys.stdout.flush()
             sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
+            os.environ["MPICOMM_TEST_CONSOLE_FD"] = str(saved[1])  # for a line that must reach the console
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
             try:
