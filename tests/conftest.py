@@ -48,17 +48,7 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ordered
 
 
-def _timeout_of(item) -> float:
-    """The pytest-timeout limit of ``item`` in seconds (its ``timeout`` mark, else the ini value; 0: none)."""
-    mark = item.get_closest_marker("timeout")
-    if mark is not None:
-        value = mark.args[0] if mark.args else mark.kwargs.get("timeout", 0)
-    else:
-        value = item.config.getini("timeout") or 0
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return 0.0
+_HUNG_LINE = pytest.StashKey[threading.Timer]()
 
 
 def _say_hung(nodeid: str, limit: float) -> None:
@@ -72,21 +62,22 @@ def _say_hung(nodeid: str, limit: float) -> None:
         os.write(2, line.encode())
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """One line naming a test about to be ended by pytest-timeout (whose own report is a stack dump, and
-    under MPI only the ranks' stacks): printed a second before the limit, on the console."""
-    limit = _timeout_of(item)
-    timer = None
-    if limit > 2:
-        timer = threading.Timer(limit - 1, _say_hung, (item.nodeid, limit))
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's hook, beside its own timer: one line naming a test about to be ended (its own report is
+    a stack dump, and under MPI only the ranks' stacks), a second before the limit, on the console."""
+    if settings.timeout > 2:
+        timer = threading.Timer(settings.timeout - 1, _say_hung, (item.nodeid, settings.timeout))
         timer.daemon = True
         timer.start()
-    try:
-        yield
-    finally:
-        if timer is not None:
-            timer.cancel()
+        item.stash[_HUNG_LINE] = timer
+    # None: pytest-timeout's own implementation still sets its timer
+
+
+def pytest_timeout_cancel_timer(item):
+    """pytest-timeout's hook: the test ended in time, no line."""
+    timer = item.stash.get(_HUNG_LINE, None)
+    if timer is not None:
+        timer.cancel()
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def measure_case(cand: Candidate, ranks: int, setting: str, steps: int, layers, 
     shaped = setting.startswith("shaped:")
     net = net_of(setting)
     blank = predict(Job(layers, ranks, net, 0.1, ranks, 32, costs), cand)
-    overlap = cand.overlap and blank.exposed_overlap_s < blank.exposed_s
+    overlap = blank.overlap_helps
     run_dir = os.path.join(RUNS, "planner_vs_measured", f"r{ranks}_{setting.replace(':', '_')}", cand.key)
     launcher = [NETSHAPE, "mpirun", "--ranks", str(ranks), "--net", net, "--"] if shaped else None
     run = launch(f"{cand.key} {setting} x{ranks}", "train_resnet.py", ranks,

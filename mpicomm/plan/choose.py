@@ -73,7 +73,7 @@ def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, ste
     choice, reason = auto_choice(preds, tolerance)
     cand = choice.candidate
     options = dict(cand.options)
-    if overlap and cand.overlap and choice.exposed_overlap_s < choice.exposed_s:
+    if overlap and choice.overlap_helps:
         options["overlap"] = True  # the prediction hides the exchange behind backward
     return {"algorithm": cand.algorithm, "candidate": cand.key, "label": cand.setting, "options": options,
             "reason": reason, "tolerance": tolerance,

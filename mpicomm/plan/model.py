@@ -45,6 +45,9 @@ __all__ = ["BACKWARD_SHARE", "WORTH_SWITCHING", "Job", "Prediction", "auto_choic
 BACKWARD_SHARE = 2 / 3
 """The share of the compute time that backward takes, which overlap can hide communication behind."""
 
+_BUCKETS = OverlapConfig()
+"""The bucket sizes the methods cut gradients into by default (DDP's)."""
+
 WORTH_SWITCHING = 0.02
 """The least predicted saving (a share of allreduce_sgd's step) for which the automatic choice leaves
 allreduce_sgd, the method that changes nothing about the training: a smaller one is within the model's error."""
@@ -118,6 +121,12 @@ class Prediction:
     speedup: float = 1.0
 
     @property
+    def overlap_helps(self) -> bool:
+        """Whether ``overlap=True`` hides something: the method can overlap and its overlapped figure is the
+        smaller (what the automatic choice passes to ``mpicomm.wrap``)."""
+        return bool(self.candidate.overlap) and self.exposed_overlap_s < self.exposed_s
+
+    @property
     def sent_per_step(self) -> float:
         """Bytes sent per step and rank, averaged over the period."""
         return self.sent_per_sync / self.period
@@ -135,11 +144,10 @@ def _work(job: Job, cand: Candidate, degree: int) -> float:
 def _bucketed_exposed(job: Job, ops: list[Op], period: int, model: CostModel) -> float:
     """Seconds of the bucketed exchange that run past the end of backward (see the module docstring)."""
     n, d = job.ranks, job.numel
-    config = OverlapConfig()
     backward = BACKWARD_SHARE * job.step_time
     done = 0.0  # when the previous bucket's calls end, counted from the start of backward
     ready = 0   # elements whose gradients backward has made so far
-    for lo, hi in bucket_ranges(list(job.layers), config.bucket_numel, config.first_bucket_numel):
+    for lo, hi in bucket_ranges(job.layers, _BUCKETS.bucket_numel, _BUCKETS.first_bucket_numel):
         ready += hi - lo
         calls = sum(Op(op.kind, -(-op.nbytes * (hi - lo) // d), op.degree).seconds(model, n) for op in ops)
         done = max(done, backward * ready / d) + calls

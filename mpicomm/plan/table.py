@@ -44,7 +44,7 @@ def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") ->
     if choice is not None:
         c = choice.candidate
         options = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
-        if c.overlap and choice.exposed_overlap_s < choice.exposed_s:
+        if choice.overlap_helps:
             options = ", ".join(x for x in (options, "overlap=True") if x)
         lines += ["", f"auto: {c.algorithm} ({c.setting})" + (f" with {options}" if options else ""),
                   f"  why: {reason}"]
