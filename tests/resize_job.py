@@ -1,18 +1,23 @@
-"""An MPI job for tests/test_resize.py: save every algorithm's checkpoint at N ranks, or resume them at M.
+"""An MPI job for tests/test_resize.py: every algorithm saved at one size and resumed at others, in one job.
 
-usage: mpiexec -n N python -m mpi4py tests/resize_job.py save DIR
-       mpiexec -n M python -m mpi4py tests/resize_job.py load DIR OUT.json [SAVE_DIR]
+usage: mpiexec -n 6 python -m mpi4py tests/resize_job.py DIR
 
-``save``: each algorithm of :data:`ALGOS` trains :data:`STEPS` steps on the tiny MLP of ``algo_common`` and is
-saved with ``mpicomm.save`` under ``DIR/<name>``. ``load``: each is rebuilt at this job's size, restored with
-``mpicomm.restore``, and rank 0 writes for each what the tests check: the saved ranks' states (read serially
-from the checkpoint) against every new rank's restored state, and the loss of the averaged model before and
-after :data:`MORE` further steps; with ``SAVE_DIR`` each is then saved there (at M ranks, for a further resize).
+The job's ranks form a new world of each size in turn (``MPI.Comm.Split``: the first N ranks; a real
+communicator of N ranks, as a job of N ranks would have): at 4 each algorithm of :data:`ALGOS` trains
+:data:`STEPS` steps on the tiny MLP of ``algo_common`` and is saved with ``mpicomm.save`` under
+``DIR/saved4/<name>``; then the 4-rank checkpoints are resumed at 2 (and saved again under ``DIR/saved2``
+after training on), at 3 and at 6, and the 2-rank ones at 4. For each (saved size, new size) rank 0 writes
+``DIR/report<old>to<new>.json``: for each algorithm the saved ranks' states (read serially from the
+checkpoint) against every new rank's restored state, and the loss of the averaged model before and after
+:data:`MORE` further steps. Ranks outside the world of the moment wait asleep (they would otherwise spin on
+the cores the others train on).
 """
 
+import functools
 import json
 import os
 import sys
+import time
 
 import torch
 from mpi4py import MPI
@@ -106,21 +111,51 @@ def load_one(name: str, root: str, world, save_root: str | None) -> dict:
             "before": before, "after": after}
 
 
-def main() -> None:
-    world = MPI.COMM_WORLD
-    mode, root = sys.argv[1], sys.argv[2]
-    results = {}
+# (saved at, resumed at), in order: the 2-rank checkpoint is the one saved after 4 -> 2
+SIZES = [(4, 2), (4, 3), (4, 6), (2, 4)]
+
+
+def wait_asleep(comm) -> None:
+    """A barrier of ``comm`` that sleeps between polls (ranks idle during another world's phase)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+def in_world(size: int, phase):
+    """Run ``phase(world)`` on a world of the first ``size`` ranks; every rank leaves together."""
+    everyone = MPI.COMM_WORLD
+    world = everyone.Split(0 if everyone.Get_rank() < size else MPI.UNDEFINED, everyone.Get_rank())
+    if world != MPI.COMM_NULL:
+        phase(world)
+        world.Free()
+    wait_asleep(everyone)
+
+
+def save_all(root: str, world) -> None:
+    """Every algorithm trained :data:`STEPS` steps and saved under ``root/<name>``."""
     for name in ALGOS:
-        if mode == "save":
-            algo = build(name, world)
-            train(algo, STEPS, 0)
-            mpicomm.save(os.path.join(root, name), algo, step=STEPS)
-            algo.close()
-        else:
-            results[name] = load_one(name, root, world, sys.argv[4] if len(sys.argv) > 4 else None)
-    if mode == "load" and world.Get_rank() == 0:
-        with open(sys.argv[3], "w") as f:
+        algo = build(name, world)
+        train(algo, STEPS, 0)
+        mpicomm.save(os.path.join(root, name), algo, step=STEPS)
+        algo.close()
+
+
+def load_all(root: str, report: str, save_root: str | None, world) -> None:
+    """Every algorithm resumed from ``root/<name>`` at this world's size; rank 0 writes ``report``."""
+    results = {name: load_one(name, root, world, save_root) for name in ALGOS}
+    if world.Get_rank() == 0:
+        with open(report, "w") as f:
             json.dump({"size": world.Get_size(), "results": results}, f)
+
+
+def main() -> None:
+    root = sys.argv[1]
+    in_world(4, functools.partial(save_all, os.path.join(root, "saved4")))
+    for old, new in SIZES:
+        again = os.path.join(root, "saved2") if (old, new) == (4, 2) else None
+        report = os.path.join(root, f"report{old}to{new}.json")
+        in_world(new, functools.partial(load_all, os.path.join(root, f"saved{old}"), report, again))
 
 
 if __name__ == "__main__":
