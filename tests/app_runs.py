@@ -56,6 +56,40 @@ def launch(ranks: int, app: str, args: list[str], timeout: int = 240,
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def run_apps(ranks: int, runs: dict[str, tuple[str, list[str]]], folder, timeout: int = 600,
+             env: dict | None = None) -> dict[str, subprocess.CompletedProcess]:
+    """Several app runs on ``ranks`` ranks, one after another in one ``mpiexec`` (``tests/app_batch_job.py``):
+    ``runs`` maps a name to ``(app, args)``; each name gets what :func:`launch` would return for it (the exit
+    status, the highest of the ranks' as mpiexec reports it; stdout and stderr, the ranks' in rank order).
+
+    For runs whose tests read their exit status, output and files: one start of Python and torch per rank for
+    the whole batch instead of one per run. A run that needs its own process (a signal from outside, an
+    environment of its own, a crash that aborts the job) is launched alone."""
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    spec = os.path.join(folder, "runs.json")
+    with open(spec, "w") as f:
+        json.dump({"folder": folder, "runs": [{"name": name, "app": app, "argv": list(args)}
+                                               for name, (app, args) in runs.items()]}, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    job = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, os.path.join(REPO, "tests", "app_batch_job.py"),
+                          spec], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if job.returncode != 0:
+        pytest.fail(f"the batch of app runs {sorted(runs)} failed (exit {job.returncode}):\n"
+                    f"{job.stdout[-2000:]}\n{job.stderr[-4000:]}", pytrace=False)
+
+    def read(path: str) -> str:
+        with open(path) as f:
+            return f.read()
+
+    statuses = [json.loads(read(os.path.join(folder, f"status.{rank}.json"))) for rank in range(ranks)]
+    return {name: subprocess.CompletedProcess(
+                [app, *args], max(s[name] for s in statuses),
+                "".join(read(os.path.join(folder, f"{name}.{r}.out")) for r in range(ranks)),
+                "".join(read(os.path.join(folder, f"{name}.{r}.err")) for r in range(ranks)))
+            for name, (app, args) in runs.items()}
+
+
 def strict_records(path) -> list[dict]:
     """A metrics file's records, failing on anything that is not strict JSON (NaN, Infinity)."""
     def refuse(constant):

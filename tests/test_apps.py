@@ -1,6 +1,8 @@
 """The apps end to end under mpiexec: training losses against stored reference curves, and bad arguments.
 
-Each case launches its own MPI job (serial tier). The reference losses in ``tests/reference/apps.json``
+The 2-rank runs whose tests read only their exit status, output and files run one after another in one MPI
+job (``run_apps``: Python and torch start once); the 4-rank case and the interrupted run are launched alone
+(serial tier). The reference losses in ``tests/reference/apps.json``
 were produced by this code with ``MPICOMM_UPDATE_REFERENCES=1``; a change that alters the maths of an
 algorithm, a model, the data pipeline or the seeding shows up as a mismatch.
 
@@ -23,7 +25,7 @@ import pytest
 
 from mpicomm.training.metrics import read_metrics
 
-from .app_runs import REPO, RESNET, mpiexec
+from .app_runs import REPO, RESNET, mpiexec, run_apps
 from .app_runs import launch as _launch
 
 REFERENCE = os.path.join(REPO, "tests", "reference", "apps.json")
@@ -48,16 +50,52 @@ def _losses(out_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(str(out_dir / "metrics.jsonl")) if r["event"] == "train"]
 
 
+BAD_ARGUMENTS = [
+    (["--algorithm", "sgd9000"], "--algorithm: unknown algorithm 'sgd9000'"),
+    (["--model", "resnet7"], "--model: unknown model 'resnet7'"),
+    (["--data-dir", "/nonexistent/cifar"], "--data-dir '/nonexistent/cifar': expected the CIFAR-10 python archive"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--lr", "inf"], "lr must be in (0.0, inf), got inf"),
+    (["--dirichlet-alpha", "-1"], "--dirichlet-alpha must be 0 (IID shards) or a finite number > 0, got -1.0"),
+    (["--milestones", "foo"], "--milestones: expected comma-separated fractions of the run such as 0.5,0.75"),
+    (["--out-dir", "{tmp}", "--resume", "/nonexistent/run"], "cannot resume from /nonexistent/run: no checkpoint at"),
+]
+NET = "80mbit,1ms"
+
+
 @pytest.fixture(scope="module")
-def run_case(tmp_path_factory):
-    """``run_case(name)`` -> (process, output folder) of the :data:`CASES` job ``name``, run once per module."""
+def two_rank_runs(tmp_path_factory):
+    """``(folder, results)``: the 2-rank :data:`CASES`, the dpsgd case with ``--net`` (``net``) and with ``--net
+    --overlap`` (``net-overlap``), and each of :data:`BAD_ARGUMENTS` (``bad-<i>``), run in one batch; each run
+    writes into ``folder / name``."""
+    root = tmp_path_factory.mktemp("apps")
+    runs = {case: (app, [*args, "--out-dir", str(root / case)])
+            for case, (ranks, app, args) in CASES.items() if ranks == 2}
+    _, app, args = CASES["resnet-dpsgd-2"]
+    runs["net"] = (app, [*args, "--out-dir", str(root / "net"), "--net", NET])
+    runs["net-overlap"] = (app, [*args, "--out-dir", str(root / "net-overlap"), "--net", NET, "--overlap"])
+    for i, (bad, _) in enumerate(BAD_ARGUMENTS):
+        (root / f"bad-{i}").mkdir()
+        runs[f"bad-{i}"] = ("train_resnet.py", ["--max-steps", "1", "--no-progress",
+                                                *[a.replace("{tmp}", str(root / f"bad-{i}")) for a in bad]])
+    return root, run_apps(2, runs, root / "batch", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def run_case(tmp_path_factory, two_rank_runs):
+    """``run_case(name)`` -> (process, output folder) of the :data:`CASES` run ``name``: from the batch at 2
+    ranks, launched once per module otherwise."""
     done = {}
 
     def run(case):
         if case not in done:
-            out = tmp_path_factory.mktemp(case)
             ranks, app, args = CASES[case]
-            done[case] = (_launch(ranks, app, [*args, "--out-dir", str(out)]), out)
+            if ranks == 2:
+                root, results = two_rank_runs
+                done[case] = (results[case], root / case)
+            else:
+                out = tmp_path_factory.mktemp(case)
+                done[case] = (_launch(ranks, app, [*args, "--out-dir", str(out)]), out)
         return done[case]
 
     return run
@@ -95,20 +133,12 @@ def test_training_losses_match_reference(case, run_case):
     assert losses[1:] == pytest.approx(expected[1:], rel=LATER_RTOL), f"{case}: losses {losses} vs {expected}"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--algorithm", "sgd9000"], "--algorithm: unknown algorithm 'sgd9000'"),
-    (["--model", "resnet7"], "--model: unknown model 'resnet7'"),
-    (["--data-dir", "/nonexistent/cifar"], "--data-dir '/nonexistent/cifar': expected the CIFAR-10 python archive"),
-    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
-    (["--lr", "inf"], "lr must be in (0.0, inf), got inf"),
-    (["--dirichlet-alpha", "-1"], "--dirichlet-alpha must be 0 (IID shards) or a finite number > 0, got -1.0"),
-    (["--milestones", "foo"], "--milestones: expected comma-separated fractions of the run such as 0.5,0.75"),
-    (["--out-dir", "{tmp}", "--resume", "/nonexistent/run"], "cannot resume from /nonexistent/run: no checkpoint at"),
-])
-def test_bad_arguments_fail_with_one_clear_message_printed_once(args, message, tmp_path):
+@pytest.mark.parametrize("index", range(len(BAD_ARGUMENTS)),
+                         ids=[bad[-2] for bad, _ in BAD_ARGUMENTS])
+def test_bad_arguments_fail_with_one_clear_message_printed_once(index, two_rank_runs):
     """Every rank refuses alike (exit 2), and rank 0 alone prints the reason: one line, no traceback."""
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    proc = _launch(2, "train_resnet.py", ["--max-steps", "1", "--no-progress", *args], timeout=120)
+    message = BAD_ARGUMENTS[index][1]
+    proc = two_rank_runs[1][f"bad-{index}"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count(message) == 1, proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1 and proc.stderr.count("usage:") <= 1, proc.stderr  # argparse's once
@@ -124,19 +154,19 @@ def _step_costs(train: list[dict], model) -> list[float]:
     return costs
 
 
-def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path, dpsgd_losses):
+def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(two_rank_runs, dpsgd_losses):
     """``--net``: same losses as without it; each step's comm time is the alpha-beta cost of its bytes, and with
     ``--overlap`` the part of that cost that compute hid is booked as hidden, the rest as comm."""
     from mpicomm.net import CostModel, parse_net
 
-    ranks, app, args = CASES["resnet-dpsgd-2"]
-    proc = _launch(ranks, app, [*args, "--out-dir", str(tmp_path), "--net", "80mbit,1ms"])
+    root, results = two_rank_runs
+    proc = results["net"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_metrics(str(tmp_path / "metrics.jsonl"))
-    assert records[0]["net"] == "80mbit,1ms"
+    records = read_metrics(str(root / "net" / "metrics.jsonl"))
+    assert records[0]["net"] == NET
     train = [r for r in records if r["event"] == "train"]
     assert [r["loss"] for r in train] == dpsgd_losses  # bit for bit: the model only sleeps
-    model = CostModel(parse_net("80mbit,1ms"))
+    model = CostModel(parse_net(NET))
     for r, cost in zip(train, _step_costs(train, model)):
         assert cost > 0.1  # ResNet-20 is ~1.1 MB of float32: ~0.11 s a step at 10 MB/s
         assert cost * 0.999 <= r["comm_s_per_step"] <= cost * 1.001, (r["comm_s_per_step"], cost)
@@ -144,10 +174,9 @@ def test_modelled_network_slows_steps_by_its_cost_and_changes_no_maths(tmp_path,
         parts = r["compute_s_per_step"] + r["comm_s_per_step"] + r["wait_s_per_step"]
         assert parts == pytest.approx(r["step_s_per_step"], rel=1e-9)
 
-    overlapped = tmp_path / "overlap"
-    proc = _launch(ranks, app, [*args, "--out-dir", str(overlapped), "--net", "80mbit,1ms", "--overlap"])
+    proc = results["net-overlap"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    hidden_run = [r for r in read_metrics(str(overlapped / "metrics.jsonl")) if r["event"] == "train"]
+    hidden_run = [r for r in read_metrics(str(root / "net-overlap" / "metrics.jsonl")) if r["event"] == "train"]
     assert [r["loss"] for r in hidden_run] == dpsgd_losses
     costs = _step_costs(hidden_run, model)
     for r, cost in zip(hidden_run, costs):
