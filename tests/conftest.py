@@ -20,9 +20,8 @@ settings.load_profile("mpicomm")
 # share of the collected list (the first len // workers tests to the first worker, and so on) and lets an idle
 # worker steal from the end of another's; so each share starts with long files, dealt to the least loaded share,
 # and the short tests follow and balance the rest. Only the order of files changes; a file's tests stay together.
-LONG_FILES = {"test_app_failures.py": 116, "test_resize.py": 50, "test_apps.py": 84, "test_kernel_warmup.py": 70,
-              "test_app_resume_settings.py": 56, "test_user_script.py": 54, "test_adpsgd.py": 42,
-              "test_slurm_presets.py": 30}
+LONG_FILES = {"test_resize.py": 64, "test_user_script.py": 62, "test_slurm_presets.py": 60, "test_kernel_warmup.py": 55,
+              "test_apps.py": 48, "test_app_failures.py": 48, "test_adpsgd.py": 42, "test_export.py": 35}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,11 @@ python-docs corpus, verified, refused in one line when damaged.
 
 The set-up (``scripts/setup_env.sh``) fetched both into the data cache; these tests read that cache, and
 damage copies of it in a temporary ``MPICOMM_DATA_DIR``.
+
+Each of the two app runs is launched alone (its own ``mpiexec``): the refusal needs an environment of its own
+(``MPICOMM_DATA_DIR`` naming the damaged copy, which any run sharing its processes would read too), and that
+leaves the MNIST training run no other run to share a job with. The check that loading the digits never
+imports scikit-learn needs a fresh Python of its own.
 """
 
 import os

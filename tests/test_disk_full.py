@@ -6,6 +6,11 @@ writer: at a chosen moment it takes every byte left on the disk (all but 1 MiB d
 each rank's file stops part way). Its file is then removed (space freed) before the run is resumed. Also
 the metrics file's own guarantees, in-process: a record is written whole or not at all, and a cut-off last
 line is dropped when a run continues the file.
+
+Each app run is its own ``mpiexec``, not one of a batch (``run_apps``): the prelude patches the checkpoint
+store or the metrics writer for the whole process, which would reach every later run of a batch; the
+test changes the disk between a run and its resume; and a full disk met inside HDF5 must end the process
+itself with exit 3 (a crash at exit would show as 139), which only a process of its own shows for that run.
 """
 
 import json
@@ -38,7 +43,7 @@ def fill(directory, leave=0):  # another writer takes every byte left but ``leav
 when, app = sys.argv[1], sys.argv[2]
 sys.argv = sys.argv[2:]
 if when == "checkpoint-4":  # after the store checked that the checkpoint of step 4 fits, leaving 1 MiB:
-    # each rank's file (~2.2 MB) stops part way, inside HDF5 (which crashed the process at exit before)
+    # each rank's file (~2.2 MB) stops part way, inside HDF5 (a write that must not crash the process at its exit)
     from mpicomm.checkpoint import store
     check_space = store._check_space
     def check_then_fill(directory, need):

@@ -5,20 +5,37 @@ rank), one not (``--eval-bn-batches 0``): their training losses must be identica
 checkpoints (parameters, optimizer state, every rank's BatchNorm buffers, RNG states), read with plain
 h5py, equal bit for bit; the recomputation must also have changed what was evaluated. That the recomputed
 statistics are the right ones is checked against an independent computation in ``tests/test_export.py``.
+
+The two runs read only their exit status and files, so they run one after another in one 2-rank MPI job
+(``run_apps``: Python and torch start once).
 """
 
 
 import h5py
 import numpy as np
+import pytest
 
-from .app_runs import RESNET, launch, strict_records
+from .app_runs import RESNET, run_apps, strict_records
+
+BN_BATCHES = {"recompute": 8, "plain": 0}
 
 
-def _run(tmp_path, name: str, bn_batches: int):
-    out = tmp_path / name
-    proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--eval-every", "1",
-                                         "--eval-bn-batches", str(bn_batches), "--save-every", "4",
-                                         "--out-dir", str(out)])
+@pytest.fixture(scope="module")
+def app_runs(tmp_path_factory):
+    """``(folder, results)``: one run for each of :data:`BN_BATCHES`, run in one batch; each writes into
+    ``folder / name``."""
+    root = tmp_path_factory.mktemp("eval_bn")
+    runs = {name: ("train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--eval-every", "1",
+                                       "--eval-bn-batches", str(bn_batches), "--save-every", "4",
+                                       "--out-dir", str(root / name)])
+            for name, bn_batches in BN_BATCHES.items()}
+    return root, run_apps(2, runs, root / "batch")
+
+
+def _run(app_runs, name: str):
+    root, results = app_runs
+    out = root / name
+    proc = results[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = strict_records(out / "metrics.jsonl")
     return out, records
@@ -40,9 +57,9 @@ def _datasets(path) -> dict[str, np.ndarray]:
     return out
 
 
-def test_recomputing_statistics_does_not_touch_training(tmp_path):
-    recomputed, with_recompute = _run(tmp_path, "recompute", 8)
-    plain, without = _run(tmp_path, "plain", 0)
+def test_recomputing_statistics_does_not_touch_training(app_runs):
+    recomputed, with_recompute = _run(app_runs, "recompute")
+    plain, without = _run(app_runs, "plain")
     losses = [[r["loss"] for r in records if r["event"] == "train"] for records in (with_recompute, without)]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
     a = _datasets(recomputed / "step-000000004" / "checkpoint.h5")

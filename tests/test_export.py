@@ -6,6 +6,11 @@ transformers alone) and evaluated as the apps evaluate: the averaged model must 
 ``eval`` record of ``metrics.jsonl``, each rank's model one of that record's per-rank extremes. The
 exported tensors are also checked against the checkpoint read with plain h5py. Bad input: one line,
 exit 2, nothing written.
+
+The app runs (the ResNet and BERT runs, the ResNet run without ``--save-every`` and the one with
+``--eval-bn-batches 0``) read only their exit status and files, so they run one after another in one 2-rank
+MPI job (``run_apps``: Python and torch start once). The export itself runs in this process, and once in a
+fresh Python without MPI (a subprocess that checks mpi4py is never imported).
 """
 
 import importlib
@@ -22,7 +27,7 @@ from torch.nn import functional as F
 
 from mpicomm.cli import main as cli
 
-from .app_runs import RESNET, launch, strict_records
+from .app_runs import RESNET, run_apps, strict_records
 
 APPS = Path(__file__).resolve().parents[1] / "apps"
 EVAL_LIMIT = int(RESNET[RESNET.index("--eval-limit") + 1])
@@ -37,23 +42,43 @@ def _app_module(name: str):
     return importlib.import_module(name)
 
 
-def _run(tmp_path_factory, name: str, app: str, args: list[str]) -> Path:
-    out = tmp_path_factory.mktemp(name)
-    proc = launch(2, app, [*args, "--out-dir", str(out), "--save-every", "4"])
+RESNET_DPSGD = [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9"]
+SAVE_AT_END = ["--save-every", "4"]
+RUNS = {  # name: (app, arguments but --out-dir)
+    "resnet": ("train_resnet.py", [*RESNET_DPSGD, *SAVE_AT_END]),
+    "plain": ("train_resnet.py", RESNET_DPSGD),
+    "resnet_bn0": ("train_resnet.py", [*RESNET_DPSGD, "--eval-bn-batches", "0", *SAVE_AT_END]),
+    "bert": ("train_bert.py", [*BERT, *SAVE_AT_END]),
+}
+
+
+@pytest.fixture(scope="module")
+def app_runs(tmp_path_factory):
+    """``(folder, results)``: every run of :data:`RUNS` on 2 ranks, run in one batch; each writes into
+    ``folder / name``."""
+    root = tmp_path_factory.mktemp("export")
+    runs = {name: (app, [*args, "--out-dir", str(root / name)]) for name, (app, args) in RUNS.items()}
+    return root, run_apps(2, runs, root / "batch")
+
+
+def _run(app_runs, name: str) -> Path:
+    """The output folder of the run ``name`` of :data:`RUNS`, which must have succeeded."""
+    root, results = app_runs
+    proc = results[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    return root / name
 
 
 @pytest.fixture(scope="module")
-def resnet_run(tmp_path_factory) -> Path:
+def resnet_run(app_runs) -> Path:
     """ResNet-20 with BatchNorm, D-PSGD on 2 ranks, 4 steps: a checkpoint at step 4 and its final eval."""
-    return _run(tmp_path_factory, "resnet", "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9"])
+    return _run(app_runs, "resnet")
 
 
 @pytest.fixture(scope="module")
-def bert_run(tmp_path_factory) -> Path:
+def bert_run(app_runs) -> Path:
     """BERT tiny, D-PSGD on 2 ranks, 4 steps (a trained tokenizer cached in the run directory)."""
-    return _run(tmp_path_factory, "bert", "train_bert.py", BERT)
+    return _run(app_runs, "bert")
 
 
 def _final_eval(run: Path) -> dict:
@@ -130,11 +155,12 @@ def test_resnet_average_reproduces_the_runs_evaluation(resnet_run, tmp_path, cap
     assert _resnet_eval(state)["test_loss"] != pytest.approx(final["test_loss"], rel=1e-5)
 
 
-def test_the_default_export_of_a_run_is_the_model_it_scored(tmp_path_factory, tmp_path, capsys):
+def test_the_default_export_of_a_run_is_the_model_it_scored(app_runs, tmp_path, capsys):
     """A run with --out-dir and no --save-every still ends with a checkpoint, and ``mpicomm export`` of it with no
     option gives the model the run's final evaluation scored: the same accuracy and loss, loaded in plain torch."""
-    out = tmp_path_factory.mktemp("plain")
-    proc = launch(2, "train_resnet.py", [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--out-dir", str(out)])
+    root, results = app_runs
+    out = root / "plain"
+    proc = results["plain"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     code, printed, _ = _export(capsys, out, "-o", tmp_path / "model.pt")
     assert code == 0 and "the model the run evaluated at step 4" in printed, printed
@@ -144,10 +170,9 @@ def test_the_default_export_of_a_run_is_the_model_it_scored(tmp_path_factory, tm
     assert got["test_loss"] == pytest.approx(final["test_loss"], rel=1e-6)
 
 
-def test_resnet_evaluation_with_rank_0s_statistics(tmp_path_factory, tmp_path, capsys):
+def test_resnet_evaluation_with_rank_0s_statistics(app_runs, tmp_path, capsys):
     """``--eval-bn-batches 0``: the averaged model is evaluated with rank 0's statistics, as export --buffers 0."""
-    run = _run(tmp_path_factory, "resnet_bn0", "train_resnet.py",
-               [*RESNET, "--algorithm", "dpsgd", "--momentum", "0.9", "--eval-bn-batches", "0"])
+    run = _run(app_runs, "resnet_bn0")
     code, _, _ = _export(capsys, run, "-o", tmp_path / "avg.pt", "--average", "--buffers", "0")
     final = _final_eval(run)
     got = _resnet_eval(torch.load(tmp_path / "avg.pt", weights_only=True))

@@ -1,8 +1,11 @@
 """A second stop signal after the stop's checkpoint changes nothing: the job still exits 128 + N, cleanly.
 
-``scancel`` twice, or Ctrl-C pressed again while a stopping job writes its checkpoint, used to find the
+``scancel`` twice, or Ctrl-C pressed again while a stopping job writes its checkpoint, must not find the
 handlers restored to the default and kill the ranks mid-exit (exit 10/15 with MPICH's "BAD TERMINATION"
-banner). The stop keeps ignoring further signals until the process exits.
+banner): the stop keeps ignoring further signals until the process exits.
+
+Each run is its own ``mpiexec``, not one of a batch (``run_apps``): the test signals the job from outside,
+and what it checks is how the processes exit.
 """
 
 import os

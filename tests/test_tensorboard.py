@@ -3,6 +3,10 @@
 The refusal is tested always (a stand-in ``tensorboard`` module that fails to import, put first on
 the path); writing and reading event files only where the optional package is installed (the
 ``tensorboard`` extra): they are read back with TensorBoard's own ``EventAccumulator``.
+
+Each of the two app runs is launched alone (its own ``mpiexec``): the refusal needs an environment of its own
+(the stand-in first on ``PYTHONPATH``, which would hide the package from any run sharing its processes), and
+that leaves the run writing event files no other run to share a job with.
 """
 
 import importlib.util
