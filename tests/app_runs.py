@@ -74,13 +74,24 @@ def run_apps(ranks: int, runs: dict[str, tuple[str, list[str]]], folder, timeout
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     job = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, os.path.join(REPO, "tests", "app_batch_job.py"),
                           spec], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if job.returncode != 0:
-        pytest.fail(f"the batch of app runs {sorted(runs)} failed (exit {job.returncode}):\n"
-                    f"{job.stdout[-2000:]}\n{job.stderr[-4000:]}", pytrace=False)
 
     def read(path: str) -> str:
         with open(path) as f:
             return f.read()
+
+    if job.returncode != 0:  # a run aborted the job: the last one that started is named, with what it wrote
+        started = [name for name in runs if os.path.exists(os.path.join(folder, f"{name}.0.err"))]
+        last = started[-1] if started else None
+        said = []
+        for rank in range(ranks if last else 0):
+            for kind in ("out", "err"):
+                path = os.path.join(folder, f"{last}.{rank}.{kind}")
+                if os.path.exists(path):
+                    said.append(f"--- rank {rank}, std{kind}:\n{read(path)[-3000:]}")
+        command = f"{runs[last][0]} {' '.join(runs[last][1])}" if last else "none started"
+        pytest.fail(f"the batch of app runs {list(runs)} ended with exit {job.returncode} in run {last!r} "
+                    f"({command}):\n" + "\n".join(said) + f"\n--- the job:\n{job.stdout[-2000:]}{job.stderr[-3000:]}",
+                    pytrace=False)
 
     statuses = [json.loads(read(os.path.join(folder, f"status.{rank}.json"))) for rank in range(ranks)]
     return {name: subprocess.CompletedProcess(
