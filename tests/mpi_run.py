@@ -1,7 +1,9 @@
 """Run pytest (with pytest-mpi's --with-mpi) on every MPI rank and agree on one exit code.
 
 Rank 0 prints its session as usual; the other ranks write theirs to a temporary file that is shown
-only when that rank failed, so the log stays readable and no failure is hidden. The process exits
+only when that rank failed, so the log stays readable and no failure is hidden. With
+``MPICOMM_TEST_RANK_LOGS=DIR`` that file is ``DIR/rank-N.log`` and is kept: a rank killed in C code (an
+abort) cannot show it, and ``scripts/test.sh`` prints the end of each when a tier fails. The process exits
 with the worst exit code of all ranks.
 
 Before any test, every rank checks that ``MPI.COMM_WORLD`` has as many ranks as were started: as many
@@ -87,7 +89,11 @@ def main() -> int:
         code = int(pytest.main(args))
         log_text = ""
     else:
-        with tempfile.TemporaryFile(mode="w+") as log:
+        logs = os.environ.get("MPICOMM_TEST_RANK_LOGS")  # a folder: each rank's session kept there (a rank that
+        # dies in C code, say by SIGABRT, cannot print it; scripts/test.sh shows its tail when the tier fails)
+        log_file = (open(os.path.join(logs, f"rank-{rank}.log"), "w+") if logs
+                    else tempfile.TemporaryFile(mode="w+"))
+        with log_file as log:
             sys.stdout.flush()
             sys.stderr.flush()
             saved = os.dup(1), os.dup(2)

@@ -97,7 +97,13 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
             assert compressed == len(algo.layout.matrices)
             assert state.total_numel_after_compression < state.total_numel_before_compression
         finally:
-            dist.destroy_process_group()
+            # rank 0 hosts the TCPStore: it is torn down last, once no other rank's gloo can still reach it (torn
+            # down first, it can leave a rank still closing its group without its store, and gloo aborts then)
+            if comm.Get_rank() != 0:
+                dist.destroy_process_group()
+            comm.Barrier()
+            if comm.Get_rank() == 0:
+                dist.destroy_process_group()
 
     run_all(comm, body)
 
