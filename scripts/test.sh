@@ -135,12 +135,12 @@ for n in 1 2 3 4; do
   fi
   # one rank keeps one core busy: the GPU check's CPU part uses the other
   if [ "$n" = 1 ] && wanted gpu-check-cpu; then beside gpu-check-cpu "${gpu_check[@]}"; gpu_done=1; fi
-  rank_logs=$(mktemp -d)   # ranks other than 0 write their session here: shown if the tier fails
+  rank_logs=$(mktemp -d)   # ranks other than 0 write their pytest output here: shown if the tier fails
   tier "mpi-$n" env MPICOMM_EXPECT_RANKS="$n" MPICOMM_TEST_RANK_LOGS="$rank_logs" \
     mpiexec -n "$n" python tests/mpi_run.py -q -m mpi "${only[@]}" "$@"
   if [[ " ${failed[*]} " == *" mpi-$n "* ]]; then
     for log in "$rank_logs"/rank-*.log; do
-      [ -s "$log" ] && { echo "== mpi-$n: the end of $(basename "$log" .log)'s session:"; tail -n 40 "$log"; }
+      [ -s "$log" ] && { echo "== mpi-$n: the end of $(basename "$log" .log)'s pytest output:"; tail -n 40 "$log"; }
     done
   fi
   rm -rf "$rank_logs"

@@ -89,8 +89,9 @@ def main() -> int:
         code = int(pytest.main(args))
         log_text = ""
     else:
-        logs = os.environ.get("MPICOMM_TEST_RANK_LOGS")  # a folder: each rank's session kept there (a rank that
-        # dies in C code, say by SIGABRT, cannot print it; scripts/test.sh shows its tail when the tier fails)
+        # MPICOMM_TEST_RANK_LOGS, a folder: each rank's pytest output is kept there (a rank that dies in C code,
+        # say by SIGABRT, cannot print it; scripts/test.sh shows its tail when the tier fails)
+        logs = os.environ.get("MPICOMM_TEST_RANK_LOGS")
         log_file = (open(os.path.join(logs, f"rank-{rank}.log"), "w+") if logs
                     else tempfile.TemporaryFile(mode="w+"))
         with log_file as log:
