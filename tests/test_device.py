@@ -127,3 +127,33 @@ def test_fp32_changes_nothing():
     with p.autocast():
         assert torch.is_autocast_enabled("cpu") is False
     assert p.ready(None) and p.scale == 1.0
+
+
+def test_cuda_awareness_is_overridden_by_the_environment_and_probed_once_per_process(monkeypatch):
+    """MPICOMM_CUDA_AWARE=0/1 decides alone (another value is refused by name); without it the answer is
+    the loaded libmpi's MPIX_Query_cuda_support, read from /proc/self/maps once, not per communicator."""
+    import builtins
+
+    from mpicomm.comm import buffers
+
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "1")
+    assert buffers.query_cuda_aware() is True
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "0")
+    assert buffers.query_cuda_aware() is False
+    monkeypatch.setenv("MPICOMM_CUDA_AWARE", "yes")
+    with pytest.raises(ValueError, match="MPICOMM_CUDA_AWARE must be 0 or 1, got 'yes'"):
+        buffers.query_cuda_aware()
+    monkeypatch.delenv("MPICOMM_CUDA_AWARE")
+    buffers._loaded_mpi_is_cuda_aware.cache_clear()
+    opened, real_open = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (opened.append(path), real_open(path, *a, **k))[1])
+    first = buffers.query_cuda_aware()
+    assert [buffers.query_cuda_aware() for _ in range(3)] == [first] * 3
+    assert opened == ["/proc/self/maps"]
+    import ctypes
+
+    with real_open("/proc/self/maps") as maps:
+        libs = {line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line}
+    assert libs, "mpi4py's libmpi is not mapped"
+    answers = {bool(q()) for q in (getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None) for path in libs) if q}
+    assert first is (answers == {True})

@@ -8,6 +8,7 @@ stream) and are otherwise staged through reusable (pinned) host buffers, allocat
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 
@@ -37,9 +38,19 @@ def query_cuda_aware() -> bool:
         if env not in ("0", "1"):
             raise ValueError(f"MPICOMM_CUDA_AWARE must be 0 or 1, got {env!r}")
         return env == "1"
+    return _loaded_mpi_is_cuda_aware()
+
+
+@functools.cache
+def _loaded_mpi_is_cuda_aware() -> bool:
+    """``MPIX_Query_cuda_support()`` of the ``libmpi`` mapped into this process (False without one).
+
+    Asked once per process: the library does not change, and with torch loaded ``/proc/self/maps`` has
+    thousands of lines (scanning it for every communicator cost ~25 ms each)."""
     try:
         with open("/proc/self/maps") as f:
-            libs = sorted(set(re.findall(r"\S*/libmpi[^/\s]*\.so[^/\s]*", f.read())))
+            libs = sorted({m.group(0) for line in f if "libmpi" in line
+                           for m in [re.search(r"\S*/libmpi[^/\s]*\.so[^/\s]*", line)] if m})
         for path in libs:
             query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
             if query is not None:
