@@ -23,6 +23,7 @@ pytestmark = pytest.mark.mpi
 
 def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0, per="tensor", rounding="dither"):
     """Moniqua for every rank: theta from the previous step's statistics, mix the parts, then x -= lr g.
+    Yields the (n, d) models after each of the ``steps`` steps.
 
     theta: None (adaptive), "observed" or a fixed number."""
     n = schedule.size
@@ -40,7 +41,7 @@ def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0
         if observed:
             rule.observe_distance(distance)
         x = mixed - lr * g
-    return x
+        yield x
 
 
 @pytest.mark.parametrize("bits,parts,gamma,theta,per,rounding", [
@@ -61,12 +62,11 @@ def test_moniqua_matches_reference(comm, bits, parts, gamma, theta, per, roundin
             options = dict(theta="adaptive") if theta is None else dict(theta=theta)
             algo = make_algorithm("moniqua", make_model(seed=comm.Get_rank()), c_, lr=0.1, bits=bits, parts=parts,
                                   gamma=gamma, theta_per=per, rounding=rounding, **options)
-            for step in range(1, 7):
+            reference = reference_moniqua(schedule, 6, 0.1, bits, parts, gamma, theta, per=per, rounding=rounding)
+            for step, expected in enumerate(reference, start=1):
                 train(algo, 1)
                 assert algo.stats()["wrapped_parts"] == 0, (schedule.name, algo.stats())
-                expected = reference_moniqua(schedule, step, 0.1, bits, parts, gamma, theta, per=per,
-                                             rounding=rounding)[c_.rank]
-                torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(algo.flat.data, expected[c_.rank], rtol=1e-5, atol=1e-6,
                                            msg=f"{schedule.name} step {step}")
 
     run_all(comm, body)
