@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import sysconfig
+from collections import deque
 from pathlib import Path
 
 __all__ = ["BUILD_COMMAND", "build_python_docs", "load_python_docs"]
@@ -28,13 +29,26 @@ _COMMENT = re.compile(r"^\s*#+ ?(.*)$")
 _SKIP = {"site-packages", "__pycache__"}
 
 
+_DEFINITIONS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)  # the only nodes a definition can sit in or below
+
+
+def _walk_statements(tree: ast.AST):
+    """``ast.walk``'s breadth-first order without descending into expressions (no definition is ever inside
+    one): the same definitions in the same order, without visiting the millions of expression nodes."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _HOLDERS))
+        yield node
+
+
 def _docstrings(source: str) -> list[str]:
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):  # a few test files are deliberately broken
         return []
-    nodes = (n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                                            ast.AsyncFunctionDef)))
+    nodes = (n for n in _walk_statements(tree) if isinstance(n, _DEFINITIONS))
     return [doc for doc in (ast.get_docstring(n) for n in nodes) if doc]
 
 
