@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 DIGITS_TRAIN = 1438  # scikit-learn's 1,797 digits less the 20 % test split (359)
 BATCH = 96
 COMMON = ["--batch-size", str(BATCH), "--epochs", "2", "--no-progress", "--log-every", "5", "--hang-timeout", "120"]
-RESNET = ["--model", "resnet20", "--eval-limit", "16", "--eval-bn-batches", "1", "--lr", "0.05",
+RESNET = ["--model", "resnet8", "--eval-limit", "16", "--eval-bn-batches", "1", "--lr", "0.05",
           "--algorithm", "dpsgd", *COMMON]
 BERT = ["--preset", "tiny", "--seq-len", "16", "--eval-sequences", "8", "--lr", "1e-3", "--algorithm", "allreduce_adam",
         *COMMON]
