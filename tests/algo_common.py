@@ -5,6 +5,8 @@ the stochastic gradient rank ``rank`` computes at step ``step`` for flat paramet
 reference never needs MPI and can be compared with each rank's distributed result.
 """
 
+import time
+
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -86,9 +88,13 @@ def mixing(schedule, step: int) -> torch.Tensor:
 
 
 def in_turns(comm, rounds: int, step) -> None:
-    """``rounds`` times: rank 0 calls ``step()``, then rank 1, ... (a barrier between turns)."""
+    """``rounds`` times: rank 0 calls ``step()``, then rank 1, ... (a barrier between turns, where the ranks
+    that wait sleep: spinning in ``Barrier`` they would take the cores from the one rank at work whenever
+    ranks outnumber cores)."""
     for _ in range(rounds):
         for turn in range(comm.Get_size()):
             if comm.Get_rank() == turn:
                 step()
-            comm.Barrier()
+            request = comm.Ibarrier()
+            while not request.Test():
+                time.sleep(0.0002)
