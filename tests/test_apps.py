@@ -27,6 +27,7 @@ from mpicomm.training.metrics import read_metrics
 
 from .app_runs import REPO, RESNET, mpiexec, run_apps
 from .app_runs import launch as _launch
+from .netns_names import left_behind, named_namespaces
 
 REFERENCE = os.path.join(REPO, "tests", "reference", "apps.json")
 
@@ -199,14 +200,12 @@ def test_interrupted_modelled_run_stops_cleanly_and_leaves_nothing_behind(tmp_pa
     import signal
     import time
 
-    def host_network() -> tuple[str, str]:
-        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
-        return netns, qdiscs
+    def qdiscs() -> str:  # of this process's network namespace (no other test's run changes them)
+        return subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
 
     if shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("needs iproute2 (ip, tc) to check the host network is untouched")
-    before = host_network()
+    qdiscs_before, namespaces_before = qdiscs(), named_namespaces()
     ranks, app, args = CASES["resnet-dpsgd-2"]
     args = list(args)
     args[args.index("--max-steps") + 1] = "40"  # far more than the run gets to do
@@ -235,7 +234,9 @@ def test_interrupted_modelled_run_stops_cleanly_and_leaves_nothing_behind(tmp_pa
     stopped = [r for r in records if r["event"] == "stopped"]
     assert stopped and stopped[0]["step"] < 40
     assert any(r["event"] == "checkpoint" for r in records)
-    assert host_network() == before
+    assert qdiscs() == qdiscs_before
+    # named namespaces are the machine's: only those that appeared meanwhile and whose run is over could be this one's
+    assert not left_behind(namespaces_before)
 
 
 def test_slow_ranks_are_rank_factor_pairs():

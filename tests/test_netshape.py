@@ -16,7 +16,6 @@ Timing tolerances (measured on a 2-core VM, payload time ``bytes * 8 / rate`` as
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from .app_runs import with_mpiexec_on_path
+from .netns_names import left_behind, mcns_namespaces, named_namespaces
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netshape.sh"
@@ -52,26 +52,13 @@ _REASON = _usable()
 needs_netns = pytest.mark.skipif(bool(_REASON), reason=_REASON or "ok")
 
 
-def _namespaces() -> set:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith("mcns-")}
-
-
-def _of_a_live_run(name: str) -> bool:
-    """Whether the namespace ``name`` (mcns-ID-...) belongs to a run still going: its ID is the pid of a live
-    process (the script's own pid, the default ID, or ``t<pid>`` of a test's ``--id``). Named namespaces are
-    global to the machine: another copy of the suite running beside this one creates its own meanwhile."""
-    match = re.match(r"mcns-t?(\d+)", name)
-    return bool(match) and os.path.exists(f"/proc/{match.group(1)}")
-
-
 @pytest.fixture
 def no_leftovers():
     """Fail if the test leaves any mcns- namespace behind that was not there before it (those of runs still
     going, another copy of the suite's, are not this test's)."""
-    before = _namespaces()
+    before = named_namespaces()
     yield
-    left = {ns for ns in _namespaces() - before if not _of_a_live_run(ns)}
+    left = left_behind(before)
     assert not left, f"namespaces left behind: {sorted(left)}"
 
 
@@ -226,7 +213,7 @@ def test_up_status_down(no_leftovers):
     try:
         assert up.returncode == 0, up.stderr
         assert f"export MPICOMM_NETSHAPE_PREFIX=mcns-{run_id}-r" in up.stdout
-        assert {f"mcns-{run_id}-sw", f"mcns-{run_id}-r0", f"mcns-{run_id}-r1"} <= _namespaces()
+        assert {f"mcns-{run_id}-sw", f"mcns-{run_id}-r0", f"mcns-{run_id}-r1"} <= mcns_namespaces()
         again = _netshape("up", "--ranks", "2", "--net", "10mbit,0us", "--id", run_id, timeout=60)
         assert again.returncode != 0 and "exist already" in again.stderr
         status = _netshape("status", timeout=60)
@@ -234,4 +221,4 @@ def test_up_status_down(no_leftovers):
     finally:
         down = _netshape("down", "--id", run_id, timeout=60)
     assert down.returncode == 0, down.stderr
-    assert not {ns for ns in _namespaces() if ns.startswith(f"mcns-{run_id}-")}
+    assert not {ns for ns in mcns_namespaces() if ns.startswith(f"mcns-{run_id}-")}
