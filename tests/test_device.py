@@ -133,6 +133,7 @@ def test_cuda_awareness_is_overridden_by_the_environment_and_probed_once_per_pro
     """MPICOMM_CUDA_AWARE=0/1 decides alone (another value is refused by name); without it the answer is
     the loaded libmpi's MPIX_Query_cuda_support, read from /proc/self/maps once, not per communicator."""
     import builtins
+    import ctypes
 
     from mpicomm.comm import buffers
 
@@ -150,8 +151,6 @@ def test_cuda_awareness_is_overridden_by_the_environment_and_probed_once_per_pro
     first = buffers.query_cuda_aware()
     assert [buffers.query_cuda_aware() for _ in range(3)] == [first] * 3
     assert opened == ["/proc/self/maps"]
-    import ctypes
-
     with real_open("/proc/self/maps") as maps:
         libs = {line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line}
     assert libs, "mpi4py's libmpi is not mapped"

@@ -49,8 +49,7 @@ def _loaded_mpi_is_cuda_aware() -> bool:
     thousands of lines (scanning it for every communicator cost ~25 ms each)."""
     try:
         with open("/proc/self/maps") as f:
-            libs = sorted({m.group(0) for line in f if "libmpi" in line
-                           for m in [re.search(r"\S*/libmpi[^/\s]*\.so[^/\s]*", line)] if m})
+            libs = sorted(set(re.findall(r"\S*/libmpi[^/\s]*\.so[^/\s]*", f.read())))
         for path in libs:
             query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
             if query is not None:
