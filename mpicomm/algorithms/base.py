@@ -55,7 +55,7 @@ import torch
 from ..comm import Communicator, raise_together
 from ..errors import ScriptError
 from ..flat import FlatParameters
-from .resize import Resize, reshard_tree
+from .resize import Resize, check_rule_paths, replica_mean, reshard_tree
 
 __all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
            "clone_optimizer_state"]
@@ -717,8 +717,20 @@ class Algorithm(abc.ABC):
 
     def _resize_rules(self) -> dict:
         """Dotted paths of :meth:`state_dict` with the rule that builds them on a resize
-        (:mod:`~mpicomm.algorithms.resize`); every other entry takes the default rule. Override and extend."""
+        (:mod:`~mpicomm.algorithms.resize`); an entry no path covers must be identical on every saved rank.
+        The family's rules: none for a centralized method (everything is agreed); a consensus restart for a
+        decentralized one (the replica and every per-rank floating-point entry of ``extra`` averaged); the
+        DiLoCo family averages the inner model and inner optimizer. Override and extend."""
+        if self.resize_family == "decentralized":
+            return {"params": replica_mean, "extra": replica_mean}
+        if self.resize_family == "outer":
+            return {"params": replica_mean, "extra.optimizer": replica_mean}
         return {}
+
+    def check_resize_rules(self) -> None:
+        """ValueError naming a path of :meth:`_resize_rules` that names no entry of :meth:`state_dict` (checked
+        when the algorithm is built: a misspelled rule would never apply)."""
+        check_rule_paths(self.name, self._resize_rules(), self.state_dict())
 
     def reshard_state(self, states: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's state at the current world size from ``states``, the ``state_dict()`` of every rank of a
@@ -734,8 +746,10 @@ class Algorithm(abc.ABC):
         if names != {self.name}:
             raise ValueError(f"states are for algorithm(s) {sorted(map(str, names))}, this is {self.name!r}")
         fresh = self.state_dict()
+        rules = self._resize_rules()
+        check_rule_paths(self.name, rules, fresh)
         resize = Resize(states, fresh, self.comm.rank, self.comm.size, self.name)
-        return reshard_tree(states, fresh, resize, self._resize_rules())
+        return reshard_tree(states, fresh, resize, rules)
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         """Restore :meth:`_extra_state`; override and call super()."""

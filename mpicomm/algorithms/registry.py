@@ -86,6 +86,7 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
     algo = None
     try:
         algo = cls(model, comm, config)
+        algo.check_resize_rules()
     except (ValueError, TypeError) as exc:
         if agreed_of(exc) is not None:
             raise  # already raised on every rank alike

@@ -1,44 +1,61 @@
 """Continuing a checkpoint at another world size: this rank's state built from every saved rank's state.
 
 A checkpoint of N ranks resumed by M ranks gives every new rank the list of the N saved ``state_dict()``
-trees (old rank order) and the state it has itself right after construction at M ranks (``fresh``). The new
-state is built key by key (:func:`reshard_tree`): an entry named in the algorithm's rules
-(:meth:`~mpicomm.algorithms.base.Algorithm._resize_rules`, dotted paths such as ``"extra.error"``) takes that
-rule; every other entry takes the default rule :func:`agreed_or_merged`:
+trees (old rank order; large tensors may be :class:`~mpicomm.checkpoint.tree.LazyTensor` leaves, read from
+the file a slice at a time) and the state it has itself right after construction at M ranks (``fresh``).
+The new state is built entry by entry (:func:`reshard_tree`). Each method declares its rules
+(:meth:`~mpicomm.algorithms.base.Algorithm._resize_rules`: dotted paths such as ``"extra.error"`` to a
+rule; a rule on a path covers the entries below it unless a longer path names its own), and
+:func:`check_rule_paths` refuses a path that names no entry. An entry no rule covers must be
+:func:`agreed`: identical on every saved rank, or the resize is refused naming it -- a per-rank buffer
+is never averaged, summed or dropped by default.
 
-* identical on every saved rank (the model and optimizer of a centralized method, the global copy of
-  DiLoCo, step counters, agreed theta bounds, shared seeds): carried exactly;
-* floating point and different on the ranks (a decentralized method's replicas, their momenta and optimizer
-  state, DiLoCo's inner models, BatchNorm statistics): the average over the saved ranks (float64 sum);
-* anything else that differs (a rank's own random generator, per-rank counters): old rank r's value for new
-  rank r < N, the freshly built one (seeded from the run's seed and the new rank) for r >= N.
+Rules applied to each entry below the path they are declared on:
 
-Rules for the entries the default does not fit:
+* :func:`agreed`: identical on every saved rank, carried exactly (the default);
+* :func:`replica_mean`: carried when identical, the average over the saved ranks when floating point (a
+  decentralized method's replicas, momenta and optimizer state: a consensus restart);
+* :func:`own_rank`: a rank's own value (its random generator, per-rank counters): old rank r's for new rank
+  r < N, the freshly built one (seeded from the run's seed and the new rank) for r >= N;
+* :func:`agreed_or_merged`: the model's buffers (BatchNorm statistics): carried, averaged when floating
+  point, else own.
 
-* :func:`share_of_sum`: a per-rank error-feedback residual; every new rank gets sum_r e_r / M, so the sum of
-  the residuals over the ranks, what the next steps still owe the model, is kept (to float rounding).
-* :func:`fresh`: state tied to the old graph that a consensus restart re-derives as at construction (D²'s
-  previous step, PowerGossip's per-edge Q).
+Rules for a whole entry:
+
+* :func:`residual_mean`: an error-feedback residual. Every error-feedback method applies the *mean* over the
+  ranks of C(g_i + e_i), so what the next steps still owe the model is mean_i e_i; every new rank gets
+  mean_r e_r over the saved ranks, which keeps that mean (the sum would scale it by N / M);
+* :func:`rebuilt_for_new_graph`: state tied to the old graph that a consensus restart re-derives as at
+  construction (D²'s previous step, PowerGossip's per-edge Q);
 * :func:`public_copies`: CHOCO's and DCD's public copies x̂ and their weighted sum, re-derived for the new
-  graph as copies of the new replica (the saved replicas' average): consistent on every edge.
-* :func:`first`: the saved rank 0's value (an entry that is agreed where it matters; Streaming DiLoCo's
-  outer gradient, whose in-flight fragments hold the same received average on every rank).
+  graph as copies of the new replica (the saved replicas' average): consistent on every edge;
+* :func:`saved_rank0`: the saved rank 0's value (Streaming DiLoCo's outer gradient, whose in-flight
+  fragments hold the same received average on every rank);
 * :func:`onebit_worker_errors` / :func:`onebit_server_errors`: the 1-bit average's error buffers
   (:mod:`~mpicomm.algorithms.onebit.average`).
 
-Pure functions of tensors: no MPI. Memory: every new rank holds all N saved states at once.
+Pure functions of tensors: no MPI. Memory: a rule holds the value it builds and one slice of
+:data:`SLICE_ELEMENTS` elements of one saved rank's entry at a time (averages are summed slice by slice
+in float64), so a new rank never holds the N saved states at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-__all__ = ["ONEBIT_RULES", "Resize", "agreed_or_merged", "first", "fresh", "onebit_server_errors",
-           "onebit_worker_errors", "public_copies", "reshard_tree", "share_of_sum"]
+from ..checkpoint.tree import LazyTensor
+
+__all__ = ["ONEBIT_RULES", "SLICE_ELEMENTS", "Resize", "agreed", "agreed_or_merged", "check_rule_paths",
+           "onebit_server_errors", "onebit_worker_errors", "own_rank", "public_copies", "rebuilt_for_new_graph",
+           "replica_mean", "reshard_tree", "residual_mean", "saved_rank0"]
+
+SLICE_ELEMENTS = 1 << 22
+"""Elements of one saved entry read and folded at a time (16 MiB of float32)."""
 
 
 @dataclass
@@ -64,7 +81,42 @@ class Resize:
         return self._cache["params"]
 
 
-Rule = Callable[[list, Any, Resize], Any]
+Rule = Callable[[list, Any, Resize, str], Any]
+
+
+def _leafwise(rule: Rule) -> Rule:
+    """Mark ``rule`` as one applied to each entry below the path it is declared on."""
+    rule.leafwise = True
+    return rule
+
+
+# ------------------------------------------------------------------------------------ reading saved leaves
+def _tensorish(value) -> bool:
+    return torch.is_tensor(value) or isinstance(value, LazyTensor)
+
+
+def _load(value):
+    """A saved leaf as a value (a lazy tensor read whole)."""
+    return value.read() if isinstance(value, LazyTensor) else value
+
+
+def _row_slices(value) -> Iterator[slice | None]:
+    """Slices of the first axis of about :data:`SLICE_ELEMENTS` elements each (None: the whole 0-d tensor)."""
+    shape = tuple(value.shape)
+    if not shape or shape[0] == 0:
+        yield None
+        return
+    per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
+    rows = max(1, SLICE_ELEMENTS // per_row)
+    for lo in range(0, shape[0], rows):
+        yield slice(lo, min(lo + rows, shape[0]))
+
+
+def _rows(value, rows: slice | None) -> torch.Tensor:
+    """``value[rows]`` of a tensor or a lazy tensor (read from its file)."""
+    if isinstance(value, LazyTensor):
+        return value.read(rows)
+    return value if rows is None else value[rows]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,11 +125,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
+def _same_tensors(values: list) -> bool:
+    """Whether tensors (or lazy ones) have one dtype, one shape and the same bits, compared a slice at a time."""
+    first = values[0]
+    if any(not _tensorish(v) or v.dtype != first.dtype or tuple(v.shape) != tuple(first.shape) for v in values):
+        return False
+    for rows in _row_slices(first):
+        mine = _bits(_rows(first, rows))
+        if any(not torch.equal(mine, _bits(_rows(v, rows))) for v in values[1:]):
+            return False
+    return True
+
+
 def _same(a, b) -> bool:
-    """Whether two leaves are identical (tensors and arrays: dtype, shape and every bit)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(_bits(a), _bits(b)))
+    """Whether two saved values are identical (tensors and arrays: dtype, shape and every bit)."""
+    if _tensorish(a) or _tensorish(b):
+        return _same_tensors([a, b])
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and a.tobytes() == b.tobytes())
@@ -90,38 +153,79 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _all_same(values: list) -> bool:
+    if all(_tensorish(v) for v in values):
+        return _same_tensors(values)
+    return all(_same(values[0], v) for v in values[1:])
+
+
 def _mean(values: list) -> torch.Tensor:
-    """The elementwise average of same-shaped tensors, summed in float64, in their dtype."""
-    total = torch.zeros(values[0].shape, dtype=torch.float64, device=values[0].device)
-    for v in values:
-        total.add_(v.to(torch.float64))
-    return total.div_(len(values)).to(values[0].dtype)
+    """The elementwise average of same-shaped tensors, summed in float64 a slice at a time, in their dtype."""
+    first = values[0]
+    out = torch.empty(tuple(first.shape), dtype=first.dtype)
+    for rows in _row_slices(first):
+        total = torch.zeros(out[rows].shape if rows is not None else out.shape, dtype=torch.float64)
+        for v in values:
+            total.add_(_rows(v, rows).to(torch.float64))
+        if rows is None:
+            out.copy_(total.div_(len(values)))
+        else:
+            out[rows] = total.div_(len(values)).to(out.dtype)
+    return out
 
 
-def _own(values: list, fresh_value, resize: Resize):
+def _is_float(value) -> bool:
+    return _tensorish(value) and value.dtype.is_floating_point
+
+
+# ------------------------------------------------------------------------------------ rules on each entry
+@_leafwise
+def agreed(values: list, fresh_value, resize: Resize, path: str):
+    """An entry no rule covers: identical on every saved rank, carried exactly; else the resize is refused."""
+    if _all_same(values):
+        return _load(values[0])
+    raise ValueError(f"{resize.name}: its state entry {path!r} differs across the saved ranks and no resize rule "
+                     "covers it (a per-rank buffer must declare whether it is averaged, re-derived or re-split)")
+
+
+@_leafwise
+def replica_mean(values: list, fresh_value, resize: Resize, path: str):
+    """Carried when identical; floating point: the average over the saved ranks (a consensus restart)."""
+    if _all_same(values):
+        return _load(values[0])
+    if all(_is_float(v) for v in values):
+        return _mean(values)
+    if all(isinstance(v, float) for v in values):
+        return float(sum(values) / len(values))
+    raise ValueError(f"{resize.name}: its state entry {path!r} differs across the saved ranks and is not floating "
+                     "point, so it cannot be averaged")
+
+
+@_leafwise
+def own_rank(values: list, fresh_value, resize: Resize, path: str):
     """Old rank r's value for new rank r < N; the freshly built one (or rank 0's, without one) otherwise."""
     if resize.rank < len(values):
-        return values[resize.rank]
-    return values[0] if fresh_value is None else fresh_value
+        return _load(values[resize.rank])
+    return _load(values[0]) if fresh_value is None else fresh_value
 
 
-def agreed_or_merged(values: list, fresh_value, resize: Resize):
-    """The default rule: carried when identical on every saved rank, averaged when floating point, else own."""
-    if all(_same(values[0], v) for v in values[1:]):
-        return values[0]
-    if torch.is_tensor(values[0]) and values[0].is_floating_point():
+@_leafwise
+def agreed_or_merged(values: list, fresh_value, resize: Resize, path: str):
+    """The model's buffers: carried when identical on every saved rank, averaged when floating point, else own."""
+    if _all_same(values):
+        return _load(values[0])
+    if all(_is_float(v) for v in values):
         return _mean(values)
-    if isinstance(values[0], float) and all(isinstance(v, float) for v in values):
-        return float(sum(values) / len(values))
-    return _own(values, fresh_value, resize)
+    return own_rank(values, fresh_value, resize, path)
 
 
-def first(values: list, fresh_value, resize: Resize):
+# ------------------------------------------------------------------------------------ rules on a whole entry
+def saved_rank0(values: list, fresh_value, resize: Resize, path: str):
     """The saved rank 0's value."""
-    return values[0]
+    return _load(values[0])
 
 
-def fresh(values: list, fresh_value, resize: Resize):
+def rebuilt_for_new_graph(values: list, fresh_value, resize: Resize, path: str):
     """This rank's value as built at the new size (state the new graph re-derives)."""
     return fresh_value
 
@@ -134,16 +238,14 @@ def _check_flat(values: list, fresh_value, resize: Resize, what: str) -> None:
                          f"{tuple(fresh_value.shape)} here (a two-level exchange keeps it per node shard)")
 
 
-def share_of_sum(values: list, fresh_value, resize: Resize) -> torch.Tensor:
-    """A per-rank error-feedback residual: sum over the saved ranks / M on every new rank (the sum is kept)."""
+def residual_mean(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
+    """A per-rank error-feedback residual: the mean over the saved ranks on every new rank (the mean, what the
+    next steps still owe the model, is kept)."""
     _check_flat(values, fresh_value, resize, "error-feedback residual")
-    total = torch.zeros(values[0].shape, dtype=torch.float64, device=values[0].device)
-    for v in values:
-        total.add_(v.to(torch.float64))
-    return total.div_(resize.size).to(values[0].dtype)
+    return _mean(values)
 
 
-def public_copies(values: list, fresh_value, resize: Resize) -> list:
+def public_copies(values: list, fresh_value, resize: Resize, path: str) -> list:
     """CHOCO's / DCD's ``(x̂_i, sum_j W_ij x̂_j)`` per topology slot, re-derived for the new graph: every public
     copy is the new replica x̄, so each pair is ``(x̄, x̄)`` (rows of W sum to 1), consistent on every edge."""
     if not fresh_value:
@@ -156,58 +258,95 @@ def public_copies(values: list, fresh_value, resize: Resize) -> list:
     return [x.to(pair.dtype).expand_as(pair).clone() for pair in fresh_value]
 
 
-def onebit_worker_errors(values: list, fresh_value, resize: Resize) -> torch.Tensor:
-    """The 1-bit average's worker errors (padded to N chunks): their sum over the saved ranks over the model's
-    d elements, / M on every new rank, padded to the new M chunks (the sum is kept)."""
+def onebit_worker_errors(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
+    """The 1-bit average's worker errors (padded to N chunks): their mean over the saved ranks on the model's d
+    elements, on every new rank, padded to the new M chunks (the mean, what is still owed, is kept)."""
     d = resize.fresh["params"].numel()
     if any(v.numel() < d for v in values) or fresh_value.numel() < d:
         raise ValueError(f"{resize.name}: its worker errors are shorter than the model (a two-level exchange "
                          "keeps them per node shard)")
-    total = torch.zeros(d, dtype=torch.float64, device=values[0].device)
-    for v in values:
-        total.add_(v[:d].to(torch.float64))
     out = torch.zeros_like(fresh_value)
-    out[:d] = total.div_(resize.size).to(out.dtype)
+    out[:d] = _mean([_rows(v, slice(0, d)) for v in values]).to(out.dtype)
     return out
 
 
-def onebit_server_errors(values: list, fresh_value, resize: Resize) -> torch.Tensor:
+def onebit_server_errors(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
     """The 1-bit average's server errors: old rank k served chunk k, so the saved chunks in rank order are the
-    whole vector's server error; new rank r gets chunk r of it under the new ownership (chunks of M)."""
+    whole vector's server error; new rank r gets chunk r of it under the new ownership (chunks of M). Reads
+    only the saved chunks that overlap the new one."""
     d = resize.fresh["params"].numel()
-    whole = torch.cat([v.reshape(-1) for v in values])
-    if whole.numel() < d:
-        raise ValueError(f"{resize.name}: its server errors cover {whole.numel()} elements, the model {d} (a "
+    sizes = [v.numel() for v in values]
+    if sum(sizes) < d:
+        raise ValueError(f"{resize.name}: its server errors cover {sum(sizes)} elements, the model {d} (a "
                          "two-level exchange keeps them per node shard)")
     chunk = fresh_value.numel()
-    padded = torch.zeros(chunk * resize.size, dtype=fresh_value.dtype, device=fresh_value.device)
-    padded[:d] = whole[:d].to(padded.dtype)
-    return padded[resize.rank * chunk:(resize.rank + 1) * chunk].clone()
+    out = torch.zeros(chunk, dtype=fresh_value.dtype, device=fresh_value.device)
+    lo, hi = resize.rank * chunk, min((resize.rank + 1) * chunk, d)
+    start = 0
+    for value, size in zip(values, sizes):
+        a, b = max(lo, start), min(hi, start + size)
+        if a < b:
+            out[a - lo:b - lo] = _rows(value, slice(a - start, b - start)).to(out.dtype)
+        start += size
+    return out
 
 
+# ------------------------------------------------------------------------------------ the walk
 def _lookup(tree, key):
     """``tree[key]`` for a dict (None when absent or not a dict)."""
     return tree.get(key) if isinstance(tree, dict) else None
 
 
-def reshard_tree(values: list, fresh_value, resize: Resize, rules: dict[str, Rule], path: str = ""):
-    """The new value of the entry at ``path`` from the saved ranks' ``values`` (its shape: the saved states')."""
+def reshard_tree(values: list, fresh_value, resize: Resize, rules: dict[str, Rule], path: str = "",
+                 inherited: Rule = agreed):
+    """The new value of the entry at ``path`` from the saved ranks' ``values`` (its shape: the saved states').
+
+    A rule declared at ``path`` builds the whole entry, or (a per-entry rule) becomes the rule of the entries
+    below it; ``inherited`` is the per-entry rule of the nearest declared path above (:func:`agreed` without)."""
     rule = rules.get(path)
     if rule is not None:
-        return rule(values, fresh_value, resize)
+        if not getattr(rule, "leafwise", False):
+            return rule(values, fresh_value, resize, path)
+        inherited = rule
     if all(isinstance(v, dict) for v in values) and all(set(v) == set(values[0]) for v in values):
         return {key: reshard_tree([v[key] for v in values], _lookup(fresh_value, key), resize, rules,
-                                  f"{path}.{key}" if path else str(key)) for key in values[0]}
+                                  f"{path}.{key}" if path else str(key), inherited) for key in values[0]}
     if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1 \
-            and not all(_same(values[0], v) for v in values[1:]):
+            and type(values[0]) in (list, tuple):
         fresh_items = fresh_value if isinstance(fresh_value, (list, tuple)) else []
         out = [reshard_tree([v[i] for v in values], fresh_items[i] if i < len(fresh_items) else None, resize,
-                            rules, f"{path}.{i}") for i in range(len(values[0]))]
+                            rules, f"{path}.{i}" if path else str(i), inherited) for i in range(len(values[0]))]
         return type(values[0])(out)
-    return agreed_or_merged(values, fresh_value, resize)
+    return inherited(values, fresh_value, resize, path)
+
+
+def _child(node, key: str):
+    """(found, child) of a dict (a key spelled ``key``) or a list (index ``key``)."""
+    if isinstance(node, dict):
+        match = next((k for k in node if str(k) == key), None)
+        return match is not None, (node[match] if match is not None else None)
+    if isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
+        return True, node[int(key)]
+    return False, None
+
+
+def check_rule_paths(name: str, rules: dict[str, Rule], state: dict) -> None:
+    """ValueError naming the first rule path of ``name`` that names no entry of ``state`` (a misspelled rule
+    would otherwise never apply, and its entry would take another rule without a word)."""
+    for path in rules:
+        node, walked = state, []
+        for key in path.split(".") if path else []:
+            found, child = _child(node, key)
+            if not found:
+                have = sorted(map(str, node)) if isinstance(node, dict) else (
+                    [str(i) for i in range(len(node))] if isinstance(node, (list, tuple)) else [])
+                raise ValueError(f"{name}: its resize rule path {path!r} names no entry of its state "
+                                 f"({'.'.join(walked) or 'the top level'} holds {have})")
+            node = child
+            walked.append(key)
 
 
 ONEBIT_RULES = {"extra.worker_error": onebit_worker_errors, "extra.server_error": onebit_server_errors}
 """The 1-bit average's errors on a resize (APMSqueeze, 0/1 Adam, 1-bit LAMB): the worker errors re-split keeping
-their sum (sum / M each); the server errors, one chunk per rank, reassembled into the whole vector from their
-old owners and re-split by the new chunk ownership."""
+their mean (the mean on every new rank); the server errors, one chunk per rank, reassembled into the whole vector
+from their old owners and re-split by the new chunk ownership."""

@@ -24,6 +24,7 @@ import torch
 
 from .placement import map_location
 from .rng import restore_rng_state
+from .tree import LazyTensor
 
 __all__ = ["derived_seed", "load_resized", "resized_counters", "resized_position", "seed_generators"]
 
@@ -42,26 +43,38 @@ def seed_generators(seed: int) -> None:
 
 
 def _buffers(saved: list[dict], model: torch.nn.Module, rank: int, size: int):
-    """The model's buffers from every saved rank's: the default rule of :mod:`mpicomm.algorithms.resize`."""
-    from ..algorithms.resize import Resize, reshard_tree
+    """The model's buffers from every saved rank's by :func:`~mpicomm.algorithms.resize.agreed_or_merged`."""
+    from ..algorithms.resize import Resize, agreed_or_merged, reshard_tree
 
     fresh = {name: b.detach().clone() for name, b in model.named_buffers()}
     if not fresh:
         return {}
-    return reshard_tree(saved, fresh, Resize(saved, fresh, rank, size, "buffers"), {})
+    return reshard_tree(saved, fresh, Resize(saved, fresh, rank, size, "buffers"), {"": agreed_or_merged})
+
+
+def _read_whole(tree):
+    """``tree`` with its :class:`~mpicomm.checkpoint.tree.LazyTensor` leaves read."""
+    if isinstance(tree, LazyTensor):
+        return tree.read()
+    if isinstance(tree, dict):
+        return {k: _read_whole(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_read_whole(v) for v in tree)
+    return tree
 
 
 def load_resized(states: list[dict], algo, step: int) -> dict:
-    """Build this rank's state from the N saved ``states`` (each with ``algorithm``, ``buffers``, ``rng``) and
-    load the algorithm, the buffers and the generators; returns old rank r's state for the rest (r < N; rank
-    0's otherwise), on this run's device. Raises ``ValueError`` where the method cannot continue (not
-    collective: the caller agrees)."""
+    """Build this rank's state from the N saved ``states`` (each with ``algorithm``, ``buffers``, ``rng``; large
+    tensors may be lazy, read a slice at a time) and load the algorithm, the buffers and the generators; returns
+    old rank r's state for the rest (r < N; rank 0's otherwise) without its ``algorithm`` and ``buffers``, on
+    this run's device. Raises ``ValueError`` where the method cannot continue (not collective: the caller
+    agrees)."""
     device = algo.flat.data.device
-    states = [map_location(s, device) for s in states]
     rank, size = algo.comm.rank, algo.comm.size
-    new = algo.reshard_state([s["algorithm"] for s in states])
+    new = map_location(algo.reshard_state([s["algorithm"] for s in states]), device)
     buffers = _buffers([s["buffers"] for s in states], algo.model, rank, size)
     algo.load_state_dict(new)
+    del new
     current = dict(algo.model.named_buffers())
     with torch.no_grad():
         for name, value in buffers.items():
@@ -70,7 +83,8 @@ def load_resized(states: list[dict], algo, step: int) -> dict:
         restore_rng_state(states[rank]["rng"], device)
     else:
         seed_generators(derived_seed(algo.config.seed, rank, step))
-    return states[rank] if rank < len(states) else states[0]
+    mine = states[rank] if rank < len(states) else states[0]
+    return map_location(_read_whole({k: v for k, v in mine.items() if k not in ("algorithm", "buffers")}), device)
 
 
 def resized_counters(states: list[dict], rank: int) -> dict:

@@ -53,6 +53,9 @@ _STEP_DIR = re.compile(r"step-(\d{9,})")
 _RESERVED = ("world_size", "step", "time", "versions")
 _IDENTITY = ("rank", "world_size", "step", "save_id")
 _HELD_BYTES = 64 << 20  # what a failed HDF5 file keeps in memory after its failed write, at most
+LAZY_BYTES = 64 << 10
+"""A checkpoint of another world size leaves tensors of this many bytes or more in its files until a rule reads
+them (parameters, optimizer state, residuals); smaller ones (generators, counters) are read at once."""
 
 
 def _step_name(step: int) -> str:
@@ -532,9 +535,10 @@ def _mismatch(label: str, have, want) -> str | None:
     return None if same else f"checkpoint has {label} {_show(have)}, this job has {_show(want)}"
 
 
-def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: tuple = (), missing_ok: bool = False):
+def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: tuple = (), missing_ok: bool = False,
+               lazy_bytes: int | None = None):
     """Rank ``rank``'s state from its file (identity checked), or only the entry at ``keys`` (dict keys; None when
-    it is absent and ``missing_ok``)."""
+    it is absent and ``missing_ok``); tensors of ``lazy_bytes`` or more as :class:`~.tree.LazyTensor`."""
     def read(f):
         found = tuple(str(f.attrs.get(f"mpicomm_{key}")) for key in _IDENTITY)
         want = tuple(str(v) for v in (rank, size, step, save_id))
@@ -548,7 +552,7 @@ def _read_rank(path: Path, rank: int, size: int, step: int, save_id: str, keys: 
                     return None
                 raise CheckpointError(f"rank {rank}'s state has no entry {list(keys[:depth + 1])}")
             node = node[link_name(key)]
-        return read_tree(node)
+        return read_tree(node, lazy_bytes)
 
     return _open(path, read)
 
@@ -600,8 +604,9 @@ def load_checkpoint(path_or_root, comm, *, expect: dict | None = None, any_size:
     nested dicts on ``expect``'s keys, arrays and tensors exactly) differs.
 
     ``any_size``: a checkpoint of another world size N is not refused; then ``state`` is the list of all N
-    saved ranks' states (old rank order), which every rank reads whole (each process holds N states at
-    once: N times one rank's state in memory), ``meta["world_size"]`` is N, and ``expect``'s
+    saved ranks' states (old rank order) with every tensor of :data:`LAZY_BYTES` or more left in its file as a
+    :class:`~.tree.LazyTensor` (read a slice at a time by the resize rules, so no rank holds N states at
+    once), ``meta["world_size"]`` is N, and ``expect``'s
     topology is compared by its kind (``ring``), not its size or matrix ``W``. At the same size nothing changes.
     """
     raw = _raw(comm)
@@ -632,8 +637,8 @@ def load_checkpoint(path_or_root, comm, *, expect: dict | None = None, any_size:
         if saved_size == size:
             state = _read_rank(directory / _rank_name(rank), rank, size, meta["step"], save_id)
         else:
-            state = [_read_rank(directory / _rank_name(r), r, saved_size, meta["step"], save_id)
-                     for r in range(saved_size)]
+            state = [_read_rank(directory / _rank_name(r), r, saved_size, meta["step"], save_id,
+                                lazy_bytes=LAZY_BYTES) for r in range(saved_size)]
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     _agree(raw, error, "load_checkpoint")

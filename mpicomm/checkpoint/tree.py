@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 import torch
 
-__all__ = ["LIBVER", "CheckpointError", "link_name", "read_tree", "write_tree"]
+__all__ = ["LIBVER", "CheckpointError", "LazyTensor", "link_name", "read_tree", "write_tree"]
 
 LIBVER = ("v108", "latest")
 _NUMERIC = "biufc"
@@ -191,9 +191,38 @@ def _write_str(group: h5py.Group, name: str, text: str, kind: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_tree(group: h5py.Group) -> dict:
-    """Read back what :func:`write_tree` wrote; checksum failures raise :class:`CheckpointError`."""
-    return _read(group, "")
+class LazyTensor:
+    """A tensor of a checkpoint file read only when asked for: whole, or a slice of its first axis.
+
+    What :func:`read_tree` gives with ``lazy_bytes`` for a large tensor, so that a reader can fold many
+    ranks' entries a slice at a time. Each read opens the file (HDF5 verifies the chunks' checksums)."""
+
+    def __init__(self, filename: str, name: str, dtype: torch.dtype, shape: tuple, path: str):
+        self.filename, self.name, self.dtype, self.shape, self.path = filename, name, dtype, tuple(shape), path
+
+    def numel(self) -> int:
+        """Its number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def read(self, rows: slice | None = None) -> torch.Tensor:
+        """The tensor (on the CPU), or its rows ``rows`` of the first axis; CheckpointError if corrupted."""
+        try:
+            with h5py.File(self.filename, "r") as f:
+                obj = f[self.name]
+                data = obj[()] if rows is None else obj[rows]
+        except OSError as exc:
+            raise CheckpointError(f"{_where(self.path)} ({self.filename}:{self.name}) is corrupted: {exc}") from exc
+        return _decode(obj, "tensor", np.asarray(data), self.path, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.filename!r}, {self.name!r}, {self.dtype}, {self.shape})"
+
+
+def read_tree(group: h5py.Group, lazy_bytes: int | None = None) -> dict:
+    """Read back what :func:`write_tree` wrote; checksum failures raise :class:`CheckpointError`.
+
+    ``lazy_bytes``: tensors of at least that many bytes come back as :class:`LazyTensor` (read later)."""
+    return _read(group, "", lazy_bytes)
 
 
 def _kind(obj, path: str) -> str:
@@ -203,14 +232,17 @@ def _kind(obj, path: str) -> str:
     return kind
 
 
-def _read(obj, path: str):
+def _read(obj, path: str, lazy_bytes: int | None = None):
     kind = _kind(obj, path)
     if isinstance(obj, h5py.Group):
         if kind == "dict":
             keys = json.loads(obj.attrs["keys"])
-            return {key: _read(_child(obj, link_name(key), path), f"{path}[{key!r}]") for key in keys}
-        items = [_read(_child(obj, str(i), path), f"{path}[{i}]") for i in range(int(obj.attrs["length"]))]
+            return {key: _read(_child(obj, link_name(key), path), f"{path}[{key!r}]", lazy_bytes) for key in keys}
+        items = [_read(_child(obj, str(i), path), f"{path}[{i}]", lazy_bytes)
+                 for i in range(int(obj.attrs["length"]))]
         return tuple(items) if kind == "tuple" else items
+    if kind == "tensor" and lazy_bytes is not None and obj.ndim >= 1 and obj.size * obj.dtype.itemsize >= lazy_bytes:
+        return LazyTensor(obj.file.filename, obj.name, _torch_dtype(obj), obj.shape, path)
     try:
         data = obj[()]
     except OSError as exc:
@@ -246,9 +278,14 @@ def _decode_str(obj: h5py.Dataset, kind: str, data, path: str):
     return tuple(items) if kind == "tuple" else items
 
 
-def _decode(obj: h5py.Dataset, kind: str, data: np.ndarray, path: str):
+def _torch_dtype(obj: h5py.Dataset) -> torch.dtype:
+    """The torch dtype a tensor dataset was written from."""
+    return getattr(torch, str(obj.attrs["dtype"]).removeprefix("torch."))
+
+
+def _decode(obj: h5py.Dataset, kind: str, data: np.ndarray, path: str, dtype: torch.dtype | None = None):
     if kind == "tensor":
-        dtype = getattr(torch, str(obj.attrs["dtype"]).removeprefix("torch."))
+        dtype = _torch_dtype(obj) if dtype is None else dtype
         tensor = torch.from_numpy(data)
         return tensor if tensor.dtype == dtype else tensor.view(_UNSIGNED[data.dtype.itemsize][0]).view(dtype)
     if kind in ("list", "tuple"):

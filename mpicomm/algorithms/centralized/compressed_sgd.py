@@ -41,7 +41,7 @@ import torch
 
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from ..base import Algorithm, check_range, clone_optimizer_state
-from ..resize import share_of_sum
+from ..resize import own_rank, residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import TwoLevelConfig, two_level_for
@@ -250,8 +250,12 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
             self.error.copy_(extra["error"])
 
     def _resize_rules(self):
-        """On a resize each rank's error-feedback residual is the saved residuals' sum / M."""
-        return {**super()._resize_rules(), "extra.error": share_of_sum}
+        """On a resize each rank's codec generator is its own (:func:`own_rank`) and its error-feedback residual
+        the saved residuals' mean (:func:`residual_mean`: what is still owed is kept)."""
+        rules = {**super()._resize_rules(), "extra.codec": own_rank}
+        if self.error is not None:
+            rules["extra.error"] = residual_mean
+        return rules
 
 
 class QSGD(CompressedSGD):

@@ -40,6 +40,7 @@ import torch
 from ...codecs.hsq import HSQCodec, check_hsq_options
 from ...comm import raise_together
 from ..base import Algorithm, check_range, clone_optimizer_state
+from ..resize import own_rank
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import HierarchicalConfig, shard_layers, two_level_for
 from .bucketed_hsq import BucketedHSQ
@@ -167,6 +168,10 @@ class HSQ(LaunchedTraffic, Algorithm):
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "codec": self.codec.state_dict()}
+
+    def _resize_rules(self):
+        """On a resize each rank's codec generators stay its own (:func:`own_rank`)."""
+        return {**super()._resize_rules(), "extra.codec": own_rank}
 
     def _load_extra_state(self, extra):
         self.optimizer.load_state_dict(extra["optimizer"])

@@ -25,6 +25,7 @@ import torch
 
 from ...comm.rma import Mailbox, passive_progress_warning
 from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
+from ..resize import own_rank
 from ..shared.gossip import gossip_average
 
 __all__ = ["ADPSGD", "ADPSGDConfig", "expected_pull_matrix"]
@@ -120,6 +121,10 @@ class ADPSGD(Algorithm):
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "peer_rng": self.peer_rng.get_state(),
                 "gamma": self.gamma}
+
+    def _resize_rules(self):
+        """On a resize (a consensus restart) the generator that picks this rank's peers stays its own."""
+        return {**super()._resize_rules(), "extra.peer_rng": own_rank}
 
     def _load_extra_state(self, extra):
         self.optimizer.load_state_dict(extra["optimizer"])

@@ -34,7 +34,7 @@ import torch
 
 from ...codecs import chunk_elems, chunk_ranges
 from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
-from ..resize import fresh
+from ..resize import rebuilt_for_new_graph
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 
@@ -118,11 +118,8 @@ class D2(Algorithm):
     def _resize_rules(self):
         """On a resize D²'s recursion restarts (its previous iterate and step belong to the old graph): the first
         step after it is a D-PSGD step, as at the start of a run."""
-        return {**super()._resize_rules(),
-                "extra.x_prev": fresh,
-                "extra.g_prev": fresh,
-                "extra.lr_prev": fresh,
-                "extra.started": fresh}
+        restart = ("extra.x_prev", "extra.g_prev", "extra.lr_prev", "extra.started")
+        return {**super()._resize_rules(), **dict.fromkeys(restart, rebuilt_for_new_graph)}
 
     def _load_extra_state(self, extra):
         if self.user_optimizer:

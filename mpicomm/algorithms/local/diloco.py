@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
-from ..resize import share_of_sum
+from ..resize import own_rank, residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
@@ -243,8 +243,12 @@ class DiLoCo(OuterLoop):
         return state
 
     def _resize_rules(self):
-        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept)."""
-        return {**super()._resize_rules(), "extra.error": share_of_sum}
+        """On a resize each rank's compression residual is the saved residuals' mean (:func:`residual_mean`: what
+        is still owed is kept) and its codec generator its own."""
+        rules = super()._resize_rules()
+        if self.codec is not None:
+            rules.update({"extra.error": residual_mean, "extra.codec": own_rank})
+        return rules
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

@@ -32,7 +32,7 @@ import torch
 
 from ...codecs.chunked_topk import ChunkedTopKCodec
 from ..base import check_int, check_range
-from ..resize import share_of_sum
+from ..resize import residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .diloco import OuterConfig, OuterLoop
@@ -94,8 +94,9 @@ class SparseLoCo(OuterLoop):
         return {**super()._extra_state(), "error": self.error.clone()}
 
     def _resize_rules(self):
-        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept)."""
-        return {**super()._resize_rules(), "extra.error": share_of_sum}
+        """On a resize each rank's error-feedback residual is the saved residuals' mean (:func:`residual_mean`:
+        what is still owed is kept)."""
+        return {**super()._resize_rules(), "extra.error": residual_mean}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

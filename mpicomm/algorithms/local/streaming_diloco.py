@@ -36,7 +36,7 @@ from itertools import accumulate
 import torch
 
 from ..base import check_bool, check_int, check_range
-from ..resize import first, share_of_sum
+from ..resize import own_rank, residual_mean, saved_rank0
 from ..shared.allgather_sum import tree_sum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
@@ -257,10 +257,16 @@ class StreamingDiLoCo(OuterLoop):
         return state
 
     def _resize_rules(self):
-        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept). The
-        outer gradient is the saved rank 0's: the fragments in flight were received before saving, and their
-        average, the same on every rank, is applied at its due step."""
-        return {**super()._resize_rules(), "extra.error": share_of_sum, "extra.outer_grad": first}
+        """On a resize each rank's error-feedback residual is the saved residuals' mean (:func:`residual_mean`: what
+        is still owed is kept) and its codec generator its own. The outer gradient is the saved rank 0's: the
+        fragments in flight were received before saving, and their average, the same on every rank, is applied at
+        its due step."""
+        rules = {**super()._resize_rules(), "extra.outer_grad": saved_rank0}
+        if self.codec is not None:
+            rules["extra.codec"] = own_rank
+        if self.error is not None:
+            rules["extra.error"] = residual_mean
+        return rules
 
     def _load_extra_state(self, extra):
         schedule = torch.tensor([self.bounds, [*self.offsets, self.period]], dtype=torch.int64)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import check_int, check_range
-from ..resize import fresh
+from ..resize import rebuilt_for_new_graph
 from ..shared.hierarchy import GossipTwoLevelConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from .layout import LowRankLayout, orthogonalize
@@ -181,7 +181,7 @@ class PowerGossip(PeriodicGossip):
     def _resize_rules(self):
         """On a resize the per-edge Q of the power iteration is re-derived for the new graph's edges (as at
         construction)."""
-        return {**super()._resize_rules(), "extra.q": fresh}
+        return {**super()._resize_rules(), "extra.q": rebuilt_for_new_graph}
 
     def _load_extra_state(self, extra):
         if sorted(extra["q"]) != sorted(self.q) or any(extra["q"][j].shape != q.shape for j, q in self.q.items()):

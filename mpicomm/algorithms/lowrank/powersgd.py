@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
-from ..resize import share_of_sum
+from ..resize import residual_mean
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import ShardOfFlat, TwoLevelConfig, group_layers, mean_over_ranks, two_level_for
 from .bucketed import BucketedPowerSGD
@@ -175,9 +175,12 @@ class PowerSGD(LaunchedTraffic, Algorithm):
         return state
 
     def _resize_rules(self):
-        """On a resize each rank's error-feedback residual is the saved residuals' sum / M (their sum is kept). Q
-        (the same on every rank) is carried."""
-        return {**super()._resize_rules(), "extra.error": share_of_sum}
+        """On a resize each rank's error-feedback residual is the saved residuals' mean (:func:`residual_mean`: what
+        is still owed is kept). Q (the same on every rank) is carried."""
+        rules = super()._resize_rules()
+        if self.error is not None:
+            rules["extra.error"] = residual_mean
+        return rules
 
     def _load_extra_state(self, extra):
         if tuple(extra["q"].shape) != tuple(self.q.shape):
