@@ -26,7 +26,7 @@ import torch
 
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
-from ..resize import ONEBIT_RULES
+from ..resize import ONEBIT_RULES, replica_mean
 from .average import check_float32, onebit_average_for
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
@@ -132,8 +132,10 @@ class OneBitLAMB(LAMB):
                 "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
 
     def _resize_rules(self):
-        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`."""
-        return {**super()._resize_rules(), **ONEBIT_RULES}
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`; what
+        1-bit LAMB's local steps made differ per rank (the model and its moments) is averaged (:func:`replica_mean`),
+        what is identical carried."""
+        return {**super()._resize_rules(), "params": replica_mean, "extra": replica_mean, **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)

@@ -29,7 +29,7 @@ import torch
 
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
-from ..resize import ONEBIT_RULES
+from ..resize import ONEBIT_RULES, replica_mean
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import check_float32, onebit_average_for
 
@@ -161,8 +161,10 @@ class ZeroOneAdam(Algorithm):
                 **self.onebit.state_dict()}
 
     def _resize_rules(self):
-        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`."""
-        return {**super()._resize_rules(), **ONEBIT_RULES}
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`; what
+        0/1 Adam's local steps made differ per rank (the model and its moments) is averaged (:func:`replica_mean`),
+        what is identical carried."""
+        return {**super()._resize_rules(), "params": replica_mean, "extra": replica_mean, **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):
         self.onebit.load_state_dict(extra)
