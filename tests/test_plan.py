@@ -15,10 +15,9 @@ from mpicomm.codecs import QSGDCodec, SignCodec, TernGradCodec, make_codec
 from mpicomm.codecs.chunked_topk import ChunkedTopKCodec
 from mpicomm.codecs.hsq import HSQCodec
 from mpicomm.codecs.moniqua._parts import PartLayout
-from mpicomm.net import CostModel, parse_net
 from mpicomm.plan import CANDIDATES, Job, auto_choice, layers_for_model, rank_candidates, wire
 from mpicomm.plan.candidates import candidate
-from mpicomm.plan.model import WORTH_SWITCHING, predict, ring_degree
+from mpicomm.plan.model import WORTH_SWITCHING, ring_degree
 from mpicomm.plan.shapes import cifar_resnet, layers_from_params, layers_of, numel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,11 +149,6 @@ def _job(model, ranks, net, step_time, **kw):
     return Job(layers_for_model(model), ranks, net, step_time, codec_costs={}, **kw)
 
 
-def preds_of(job):
-    """Each candidate's prediction on ``job``, by key."""
-    return {p.candidate.key: p for p in rank_candidates(job)}
-
-
 def test_fast_network_and_large_compute_choose_allreduce():
     preds = rank_candidates(_job("resnet50", 8, "nvlink", 0.5))
     allreduce = next(p for p in preds if p.candidate.key == "allreduce_sgd")
@@ -178,35 +172,6 @@ def test_two_levels_price_on_the_inter_link_only_across_nodes():
     two_nodes = _job("resnet20", 16, "intra=nvlink,inter=slow", 0.1, ranks_per_node=8)
     assert (one_node.link, two_nodes.link) == ("intra", "inter")
     assert rank_candidates(one_node)[0].comm_s < rank_candidates(two_nodes)[0].comm_s
-
-
-def test_bucketed_overlap_exposes_the_last_bucket_and_what_backward_could_not_hide():
-    # two layers, flat order [A, B]: backward makes B's gradient first (the 1 MiB first bucket), then A's
-    a, b = 25 * 2**20 // 4, 2**20 // 4
-    layers = layers_of([(a,), (b,)])
-    model = CostModel(parse_net("slow")).on("inter")
-    for compute in (0.001, 0.3, 30.0):
-        job = Job(layers, 8, "slow", compute, 1, 32, {})
-        p = predict(job, candidate("allreduce_sgd"))
-        backward = 2 / 3 * compute
-        first_done = max(backward * b / (a + b), 0) + model.allreduce(4 * b, 8)
-        expected = max(first_done, backward) + model.allreduce(4 * a, 8) - backward
-        assert p.exposed_overlap_s == pytest.approx(expected, rel=1e-12)
-        assert p.exposed_s == pytest.approx(model.allreduce(4 * (a + b), 8), rel=1e-12)
-        assert p.step_s == pytest.approx(compute + min(p.exposed_s, p.exposed_overlap_s), rel=1e-12)
-    terngrad = preds_of(_job("resnet50", 8, "slow", 0.3))["terngrad"]
-    assert terngrad.exposed_overlap_s == terngrad.comm_s  # no overlap option
-
-
-def test_a_model_within_the_first_bucket_hides_nothing():
-    p = preds_of(Job(layers_from_params(200_000), 4, "slow", 10.0, 1, 32, {}))["allreduce_sgd"]
-    assert p.exposed_overlap_s == pytest.approx(p.comm_s, rel=1e-12)  # one bucket, ready when backward ends
-
-
-def test_gossip_overlap_hides_behind_the_whole_step():
-    for compute in (0.01, 0.1, 1.0):
-        p = preds_of(_job("resnet50", 8, "slow", compute))["dpsgd"]
-        assert p.exposed_overlap_s == pytest.approx(max(0.0, p.comm_s - compute), rel=1e-12, abs=1e-15)
 
 
 def test_one_rank_has_no_communication_and_full_efficiency():
