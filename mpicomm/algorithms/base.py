@@ -56,6 +56,7 @@ from ..comm import Communicator, raise_together
 from ..errors import ScriptError
 from ..flat import FlatParameters
 from .resize import Resize, check_rule_paths, replica_mean, reshard_tree
+from .shared.user_loop import UsedParameters, dtype_problem, optimizer_params, optimizer_problem, sparse_problem
 
 __all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
            "clone_optimizer_state"]
@@ -232,7 +233,9 @@ class Algorithm(abc.ABC):
         if self._retired:
             raise ScriptError(f"{self.name}.{what} was called after the same model was wrapped again: the "
                               "newest mpicomm.wrap(...) trains the model; use the algorithm it returned")
-        problem = self.flat.model_problem(self.model)
+        problem = dtype_problem(self.flat) or self.flat.model_problem(self.model)
+        if not problem and self.user_optimizer:
+            problem = optimizer_problem(self.optimizer, self._optimizer_params)
         if problem:
             raise ScriptError(f"{self.name}.{what}: {problem}")
 
@@ -254,7 +257,7 @@ class Algorithm(abc.ABC):
     def _check_same_everywhere(self) -> None:
         """Collective: every rank must wrap the same architecture with the same config."""
         kept = tuple((name, tuple(t.shape), str(t.dtype)) for name, t in self._kept_alike())
-        mine = (self.flat.signature(), repr(self.config), kept)
+        mine = (self.flat.signature(), repr(self.config), kept, str(self.flat.data.dtype))
         first = self.comm.bcast_object(mine, 0, "the check that every rank built the same model and config")
         error = None
         if mine[0] != first[0]:
@@ -262,6 +265,9 @@ class Algorithm(abc.ABC):
                 f"model mismatch: this rank has {mine[0][0]} parameters in {len(mine[0][1])} tensors, "
                 f"rank 0 has {first[0][0]} in {len(first[0][1])}; every rank must build the same model"
             )
+        elif mine[3] != first[3]:
+            error = ValueError(f"model mismatch: parameter {self.flat.layers[0].name!r} is {mine[3]} on this rank, "
+                               f"{first[3]} on rank 0; every rank must build the model in the same dtype")
         elif mine[2] != first[2]:
             differ = sorted(set(mine[2]) ^ set(first[2]))[:3]
             error = ValueError(f"model mismatch: this rank's frozen parameters and buffers differ from rank 0's "
@@ -316,14 +322,20 @@ class Algorithm(abc.ABC):
             f"optimizer mismatch: this rank has {mine}, rank 0 has {first}; every rank must build the same one"))
         self.optimizer = optimizer
         self.user_optimizer = True
+        self._optimizer_params = optimizer_params(optimizer)
+        self.used = UsedParameters(self)
         self.keep_hook(optimizer.register_step_pre_hook(self._refuse_outside_step))
 
     def _refuse_outside_step(self, optimizer, args, kwargs) -> None:
-        """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice."""
+        """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice. Inside,
+        the parameters that got no gradient this update are left to torch's optimizer as ``.grad = None``
+        (skipped): agreed over the ranks for a centralized method (no rank used them), this rank's for the others.
+        """
         if not self._stepping:
             raise ScriptError(f"optimizer.step() was called outside {self.name}'s step(): the algorithm steps "
                               "your optimizer itself, inside algo.step() (after communicating); remove the "
                               "optimizer.step() call, or the model would be updated twice")
+        self.used.release(self.comm if self.centralized else None)
 
     def _check_user_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook: raise ``ValueError`` if this configuration cannot use ``optimizer`` (nothing here)."""
@@ -479,9 +491,18 @@ class Algorithm(abc.ABC):
 
     # ------------------------------------------------------------------ the training-loop surface
     def zero_grad(self) -> None:
-        """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate."""
+        """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate.
+
+        As torch's ``optimizer.zero_grad()``: a parameter that backward then does not reach has no gradient this
+        update, and your optimizer does not step it (:meth:`use_optimizer`).
+        """
+        problem = dtype_problem(self.flat)  # re-attaching the gradient views would fail in torch
+        if problem:
+            raise ScriptError(f"{self.name}.zero_grad(): {problem}")
         if not self._micro:
             self.flat.zero_grad()
+            if self.user_optimizer:
+                self.used.reset()
 
     def step(self) -> None:
         """Consume the gradients of the last backward pass: communicate and update the parameters.
@@ -508,7 +529,12 @@ class Algorithm(abc.ABC):
             return
         self._micro = 0
         self._step_start = self._begun_start if self._begun_start is not None else self.comm.ledger.totals()
+        problem = sparse_problem(self.flat)
+        if problem:
+            raise ScriptError(f"{self.name}.step(): {problem}")
         grad = self.flat.gather_grads()
+        if self.user_optimizer:
+            self.used.close()
         self._prepare(grad)
         self._stepping = True
         try:

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...errors import ScriptError
 from ..base import Algorithm, AlgorithmConfig, check_range
+from .user_loop import sparse_message
 
 __all__ = ["GradBuckets", "LaunchedTraffic", "OverlapConfig", "bucket_ranges"]
 
@@ -138,6 +140,8 @@ class GradBuckets:
             return
         layer = self.algo.flat.layers[index]
         view = self.algo.flat.grad[layer.offset:layer.offset + layer.numel]
+        if param.grad.layout != torch.strided:
+            raise ScriptError(f"{self.algo.name}(overlap=True), in backward: {sparse_message(layer.name)}")
         if param.grad.data_ptr() != view.data_ptr():  # autograd replaced the view (grad was None)
             view.copy_(param.grad.reshape(-1))
             param.grad = view.view(layer.shape)
