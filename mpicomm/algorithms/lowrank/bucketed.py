@@ -15,7 +15,8 @@ buffers the whole-gradient step exchanges. On rank i, as soon as backward has pr
                       iallreduce(Q[k])                                               (allreduce #2)
 
 so bucket k's second allreduce runs while backward produces bucket k + 1 (the last bucket's after backward).
-After backward every #2 and plain allreduce is waited for, Q <- Q / n, Delta = P̂ Q^T per matrix and u / n.
+After backward every #2 and plain allreduce is waited for, Q <- Q / n, Delta = P̂ Q^T per matrix and u / n,
+and the columns of Q that came out zero are redrawn, over the whole buffer as the blocking step does.
 Every operation is the whole-gradient step's on a slice (the same orthogonalization per matrix, the same
 error per element, Q redrawn at the first launch from the same generator), and MPICH sums each element of an
 allreduce in an order that does not depend on how the vector is cut, so the result is bit-identical to
@@ -131,5 +132,6 @@ class BucketedPowerSGD:
                     algo.q[part.q].div_(n)
                     for mat in part.matrices:
                         torch.matmul(mat.p(self.p), mat.q(algo.q).t(), out=mat.view(grad))  # Delta = P̂ Q^T
+            algo.redraw_lost()
         self._plain_handles, self._q_handles, self._launched = [], [], 0
         return first

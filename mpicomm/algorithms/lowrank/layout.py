@@ -15,6 +15,13 @@ One power step with a warm-started Q (cols x r) is::
 ``orthogonalize`` is the hook's: for r <= 2 Gram-Schmidt on the columns, each divided by
 (norm + epsilon) (epsilon = 0: plain Gram-Schmidt, a zero column gives NaN); for r > 2 Householder QR,
 which stays orthonormal when M is rank-deficient (e.g. a softmax layer's gradient, whose rows sum to 0).
+
+A zero column finds no direction: Gram-Schmidt leaves it 0 (epsilon > 0) or NaN (epsilon = 0), and then
+Q <- M^T P̂ has a zero column, from which every later warm-started step finds nothing again (P = M Q = 0)
+however M changes. So after orthogonalizing P̂, :func:`zero_lost_columns` sets such columns to 0 (nothing of
+M is sent or applied along them), and once the step is done :meth:`LowRankLayout.lost_columns` finds the
+columns of Q that came out zero (or not finite), matrix by matrix, which the caller redraws
+(:meth:`LowRankLayout.redraw_columns`) from a generator both ends of the exchange share.
 :class:`LowRankLayout` holds where each compressed matrix and its P and Q live in flat P / Q
 buffers, and the slices left uncompressed.
 """
@@ -27,7 +34,7 @@ import torch
 
 from ...flat import FlatParameters
 
-__all__ = ["LowRankLayout", "Matrix", "gather_slices", "orthogonalize", "scatter_slices"]
+__all__ = ["LowRankLayout", "Matrix", "gather_slices", "orthogonalize", "scatter_slices", "zero_lost_columns"]
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -41,6 +48,12 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
             rest = matrix[:, i + 1:]
             rest.sub_((col * rest).sum(dim=0, keepdim=True) * col)
     return matrix
+
+
+def zero_lost_columns(matrix: torch.Tensor) -> torch.Tensor:
+    """Set to 0, in place, the columns of the orthogonalized ``matrix`` that found no direction: norm at most 1/2
+    (the column was within epsilon of 0) or not a number (it was 0 with epsilon = 0); returns ``matrix``."""
+    return matrix.masked_fill_(~(torch.linalg.vector_norm(matrix, dim=0, keepdim=True) > 0.5), 0.0)
 
 
 def gather_slices(slices, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -106,6 +119,37 @@ class LowRankLayout:
                 self.plain.append((layer.offset, layer.numel))
         self.p_numel, self.q_numel = p_numel, q_numel
         self.plain_numel = sum(n for _, n in self.plain)
+        self._column_of: dict[torch.device, torch.Tensor] = {}  # Q buffer entry -> index of its column
+
+    def lost_columns(self, q: torch.Tensor) -> list[bool] | None:
+        """Which columns of the Q buffer ``q`` are all zero or hold a non-finite entry, r per matrix in order
+        (one reduction over the buffer, one read back); None when there is none."""
+        if not self.matrices:
+            return None
+        ids = self._column_of.get(q.device)
+        if ids is None:
+            ids = torch.cat([torch.arange(mat.rank).repeat(mat.cols) + at
+                             for mat, at in zip(self.matrices, self._column_starts())])
+            ids = self._column_of[q.device] = ids.to(q.device)
+        sums = torch.zeros(sum(m.rank for m in self.matrices), dtype=q.dtype, device=q.device)
+        lost = ~(sums.index_add_(0, ids, q * q) > 0)
+        return lost.tolist() if bool(lost.any()) else None
+
+    def redraw_columns(self, q: torch.Tensor, lost: list[bool], generator: torch.Generator) -> None:
+        """Refill the ``lost`` columns (as :meth:`lost_columns` gives them) of the Q buffer ``q`` with standard
+        normal entries: one (cols x r) draw from ``generator`` per matrix with a lost column, in layout order."""
+        for mat, at in zip(self.matrices, self._column_starts()):
+            which = [k for k in range(mat.rank) if lost[at + k]]
+            if which:
+                fresh = torch.randn(mat.cols, mat.rank, generator=generator, dtype=q.dtype).to(q.device)
+                mat.q(q)[:, which] = fresh[:, which]
+
+    def _column_starts(self) -> list[int]:
+        starts, at = [], 0
+        for mat in self.matrices:
+            starts.append(at)
+            at += mat.rank
+        return starts
 
     def gather_plain(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy the uncompressed slices of ``flat`` one after another into ``out``; returns ``out``."""

@@ -11,7 +11,10 @@ same Q_e and approximate the difference D_e = X_lo - X_hi of every matrix by one
     Q_e <- X_lo^T P̂ - X_hi^T P̂;   D̂_e = P̂ Q_e^T
     X_i <- X_i - gamma sum_{e = {i, j}} W_ij s_i D̂_e,     s_i = +1 if i = lo, -1 if i = hi
 
-Every edge moves its two ends by opposite amounts, so the average is preserved. Slices not worth
+Every edge moves its two ends by opposite amounts, so the average is preserved. A column of P̂ that finds
+no direction (D_e Q_e = 0 there, e.g. identical replicas, as in the first "cta" round) is set to 0, and the
+same column of Q_e, then 0, is redrawn once the round is done, alike at both ends
+(:meth:`PowerGossip._redraw_lost`): the next round looks for the difference again. Slices not worth
 compressing are mixed in full precision. Traffic per round: two ``neighbor_alltoallv``. Details:
 ``docs/algorithms/lowrank.md``.
 
@@ -30,6 +33,7 @@ preceded by the exact average inside the node, a doubly stochastic step.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +42,7 @@ from ..base import check_int, check_range
 from ..resize import rebuilt_for_new_graph
 from ..shared.hierarchy import GossipTwoLevelConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
-from .layout import LowRankLayout, orthogonalize
+from .layout import LowRankLayout, orthogonalize, zero_lost_columns
 
 __all__ = ["PowerGossip", "PowerGossipConfig"]
 
@@ -46,7 +50,8 @@ __all__ = ["PowerGossip", "PowerGossipConfig"]
 @dataclass(frozen=True)
 class PowerGossipConfig(GossipTwoLevelConfig, OrderConfig):
     """rank: r of every compressed matrix; gamma: consensus step in (0, 1]; min_compression_rate: as
-    PowerSGD's; epsilon: added to column norms when orthogonalizing (keeps a zero difference at zero).
+    PowerSGD's; epsilon: added to column norms when orthogonalizing (a column within epsilon of 0 counts as
+    no direction: see the module docstring).
     overlap: with order="cta", post the round's first exchange in begin_step(). hierarchical, node_topology:
     see the module docstring."""
 
@@ -163,7 +168,8 @@ class PowerGossip(PeriodicGossip):
                 p_hat = theirs[:lay.p_numel].sub(mine[:lay.p_numel])
             send = x.new_empty(lay.q_numel)
             for mat in lay.matrices:
-                torch.matmul(mat.view(x).t(), orthogonalize(mat.p(p_hat), cfg.epsilon), out=mat.q(send))
+                p = zero_lost_columns(orthogonalize(mat.p(p_hat), cfg.epsilon))
+                torch.matmul(mat.view(x).t(), p, out=mat.q(send))
             p_hats.append(p_hat)
             second.append(send)
         got_q = self.graph.neighbor_alltoallv(second, [lay.q_numel] * len(nbrs), step=round_index)
@@ -173,7 +179,20 @@ class PowerGossip(PeriodicGossip):
             sign = -1.0 if rank < j else 1.0
             for mat in lay.matrices:
                 mat.view(x).addmm_(mat.p(p_hat), mat.q(q).t(), alpha=sign * cfg.gamma * w)
+            self._redraw_lost(j, round_index)
         lay.scatter_plain(plain.add_(mixed, alpha=cfg.gamma), x)
+
+    def _redraw_lost(self, j: int, round_index: int) -> None:
+        """Redraw the columns of the edge's Q_e that came out zero this round (P̂ found no direction there).
+
+        Q_e is bit-identical at both ends, so both find the same columns, and both draw them from a generator
+        seeded by the seed, the edge and the round: the same numbers, with no state to keep or checkpoint."""
+        lost = self.layout.lost_columns(self.q[j])
+        if lost is None:
+            return
+        n, lo, hi = self.graph.size, min(self.vertex, j), max(self.vertex, j)
+        key = hashlib.blake2b(f"{self.config.seed} {n} {lo} {hi} {round_index}".encode(), digest_size=8).digest()
+        self.layout.redraw_columns(self.q[j], lost, torch.Generator().manual_seed(int.from_bytes(key, "little")))
 
     def _extra_state(self):
         return {**super()._extra_state(), "q": {j: q.clone() for j, q in self.q.items()}}

@@ -12,9 +12,14 @@ uncompressed slices u of :mod:`.layout`::
     allreduce #2:  Q = (1/n) sum_i Q_i;    Delta = P̂ Q^T per matrix, u elsewhere
     Delta <- Delta + weight_decay * x;   m <- mu m + Delta;   x <- x - alpha m      (torch.optim.SGD)
 
-Parameters stay identical on all ranks. ``overlap=True`` runs both allreduces bucket by bucket during
-backward, as torch's hook does, bit-identical to the step above (:mod:`.bucketed`). How it differs from
-torch's ``powerSGD_hook``, traffic and the exact reduction: ``docs/algorithms/lowrank.md``.
+A column of P̂ that finds no direction (P = 0 there: a matrix whose gradients, plus errors, sum to 0 on
+this step, such as an unused or frozen layer) is set to 0 (nothing is sent or applied along it, e_i keeps
+M_i), and the column of Q, then 0, is redrawn from the shared generator after the step, so the next step
+compresses the matrix again (:meth:`PowerSGD.redraw_lost`; torch's ``powerSGD_hook`` there gives NaN
+with epsilon 0 and, with epsilon > 0, never updates the matrix again). Parameters stay identical on all
+ranks. ``overlap=True`` runs both allreduces bucket by bucket during backward, as torch's hook does,
+bit-identical to the step above (:mod:`.bucketed`). How it differs from torch's ``powerSGD_hook``, traffic
+and the exact reduction: ``docs/algorithms/lowrank.md``.
 
 ``hierarchical`` (auto: on over several nodes of several ranks; :mod:`~mpicomm.algorithms.shared.hierarchy`):
 the L local ranks of a node split the tensors into L groups of whole tensors (a matrix keeps its shape); rank
@@ -37,7 +42,7 @@ from ..resize import residual_mean
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import ShardOfFlat, TwoLevelConfig, group_layers, mean_over_ranks, two_level_for
 from .bucketed import BucketedPowerSGD
-from .layout import LowRankLayout, orthogonalize
+from .layout import LowRankLayout, orthogonalize, zero_lost_columns
 
 __all__ = ["PowerSGD", "PowerSGDConfig"]
 
@@ -144,6 +149,7 @@ class PowerSGD(LaunchedTraffic, Algorithm):
         self.q.div_(n)
         for mat in lay.matrices:
             torch.matmul(mat.p(p), mat.q(self.q).t(), out=mat.view(grad))  # Delta = P̂ Q^T
+        self.redraw_lost()
 
     def project(self, matrices, grad: torch.Tensor, p: torch.Tensor) -> None:
         """P_i = M_i orthogonalize(Q) for each of ``matrices`` (views of ``grad``), into the P buffer ``p``."""
@@ -153,11 +159,18 @@ class PowerSGD(LaunchedTraffic, Algorithm):
     def back_project(self, matrices, grad: torch.Tensor, p: torch.Tensor) -> None:
         """With P summed in ``p``: P̂ = orthogonalize(P), Q_i = M_i^T P̂ into Q and e_i = M_i - P̂ Q_i^T."""
         for mat in matrices:
-            p_hat = orthogonalize(mat.p(p), self.config.epsilon)
+            p_hat = zero_lost_columns(orthogonalize(mat.p(p), self.config.epsilon))
             m = mat.view(grad)
             q = torch.matmul(m.t(), p_hat, out=mat.q(self.q))            # Q_i = M_i^T P̂
             if self.error is not None:
                 torch.addmm(m, p_hat, q.t(), alpha=-1, out=mat.view(self.error))   # e_i = M_i - P̂ Q_i^T
+
+    def redraw_lost(self) -> None:
+        """After Delta: redraw the columns of Q that came out zero (P̂ found no direction there) from the shared
+        generator. Q and the generator are the same on every rank that shares Q, so are the draws."""
+        lost = self.layout.lost_columns(self.q)
+        if lost is not None:
+            self.layout.redraw_columns(self.q, lost, self.generator)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step) and the layout: compressed matrices and buffer sizes."""
