@@ -57,7 +57,7 @@ def test_d2_matches_reference(comm):
 
 
 @pytest.mark.parametrize("bits,parts,gamma,theta,per,rounding", [
-    (4, 4, 1.0, None, "tensor", "dither"),  # the default
+    (4, 4, 1.0, None, "tensor", "dither"),  # moniqua's default (moniqua_d2's sends every part: parts=1)
     (1, 1, 0.2, 1.0, "model", "nearest"),   # the paper's form, fixed theta
     (2, 2, 0.5, None, "model", "dither"),
     (4, 4, 1.0, "observed", "tensor", "dither"),
@@ -139,7 +139,7 @@ def test_moniqua_d2_bytes_on_the_wire(comm):
     def body():
         n = comm.Get_size()
         c = Communicator(comm, topologies_for(n)[0])
-        algo = make_algorithm("moniqua_d2", make_model(), c, lr=0.05, theta=5.0)
+        algo = make_algorithm("moniqua_d2", make_model(), c, lr=0.05, theta=5.0, parts=4)
         train(algo, 3)
         T = len(algo.flat.layers)  # 2 T float32 agreed per step
         allreduce = 2 * (n - 1) * 8 * T // n
@@ -152,7 +152,7 @@ def test_moniqua_d2_bytes_on_the_wire(comm):
     ("d2", dict(weight_decay=1e-3)),
     ("moniqua_d2", dict(bits=2, rounding="stochastic")),
     ("moniqua_d2", dict(bits=1, theta=1e-3)),  # guard events (skips + D² restart) inside both halves
-    ("moniqua_d2", {}),  # the default: theta per tensor, dither, parts
+    ("moniqua_d2", {}),  # the default: theta per tensor, dither, every part
 ])
 def test_state_round_trip_is_bit_exact(comm, name, options):
     def body():

@@ -127,3 +127,72 @@ def test_the_app_momentum_gives_way_to_an_inner_adamw_unless_typed():
     assert parse("--inner-optimizer", "adamw").momentum == 0.0
     assert parse("--inner-optimizer", "adamw", "--momentum", "0.9").momentum == 0.9
     assert parse("--inner-optimizer", "adamw", "--momentum=0.5").momentum == 0.5
+
+
+ADAM_TYPE = ["allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb"]
+
+
+def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
+    """An Adam-type method starts at Adam's 1e-3 (Kingma & Ba's, torch.optim.Adam's), not SGD's 0.1, in both apps
+    and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) starts
+    at 0.25; ``--lr`` always wins."""
+    from .app_runs import app_module
+
+    def parse(app, *argv):
+        return parse_app_args(app_module(app).build_parser(), list(argv)).lr
+
+    assert parse("train_bert") == 1e-3  # its default method, apmsqueeze
+    assert parse("train_bert", "--lr", "0.05") == 0.05
+    assert parse("train_bert", "--algorithm", "allreduce_sgd") == 0.1
+    assert parse("train_resnet") == 0.1  # its default method, moniqua
+    for name in ("d2", "moniqua_d2"):  # no momentum term: the others' momentum 0.9 makes their step 10x lr
+        assert parse("train_resnet", "--algorithm", name) == 0.25, name
+        assert parse("train_resnet", "--algorithm", name, "--lr", "0.1") == 0.1, name
+    for name in ADAM_TYPE:
+        assert parse("train_resnet", "--algorithm", name) == 1e-3, name
+        assert parse("train_resnet", "--algorithm", name, "--lr", "0.05") == 0.05, name
+        assert parse("train_resnet", "--algorithm", name, "--lr=0.2") == 0.2, name
+    assert parse("train_resnet", "--algorithm", "allreduce_adam", "--beta2", "0.99") == 1e-3
+    assert parse("train_resnet", "--algorithm", "diloco") == 0.1
+    assert parse("train_resnet", "--algorithm", "diloco", "--inner-optimizer", "adamw") == 1e-3
+    assert parse("train_resnet", "--algorithm", "diloco", "--inner-optimizer", "adamw", "--lr", "0.3") == 0.3
+
+
+def test_the_library_s_adam_default_is_torch_s():
+    """Built without an lr, AllReduce-Adam takes the step torch.optim.AdamW takes at its own default lr (1e-3);
+    its config and every Adam-type method built by name say 1e-3 (their configs once inherited SGD's 0.1
+    through a base listed before Adam's); an explicit lr wins."""
+    import torch
+    from mpi4py import MPI
+
+    from mpicomm import topology
+    from mpicomm.algorithms import make_algorithm
+    from mpicomm.algorithms.centralized.adam import AllReduceAdam, AllReduceAdamConfig
+    from mpicomm.algorithms.centralized.lamb import LAMBTwoLevelConfig
+    from mpicomm.comm import Communicator
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 2)
+
+    comm = Communicator(MPI.COMM_SELF, topology.ring(1))
+    assert AllReduceAdamConfig().lr == 1e-3 and LAMBTwoLevelConfig().lr == 1e-3
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    ours, theirs = model(), model()
+    algo = AllReduceAdam(ours, comm)
+    reference = torch.optim.AdamW(theirs.parameters(), weight_decay=0.0)
+    for _ in range(3):
+        algo.zero_grad()
+        torch.nn.functional.mse_loss(ours(x), y).backward()
+        algo.step()
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(theirs(x), y).backward()
+        reference.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b)
+    for name in ADAM_TYPE:
+        extra = {"warmup_steps": 1} if name == "apmsqueeze" else {}
+        assert make_algorithm(name, model(), comm, **extra).lr == 1e-3, name
+        assert make_algorithm(name, model(), comm, lr=0.02, **extra).lr == 0.02, name
+    assert make_algorithm("allreduce_sgd", model(), comm).lr == 0.1
+    assert make_algorithm("diloco", model(), comm, inner_optimizer="adamw").lr == 1e-3

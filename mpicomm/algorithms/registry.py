@@ -32,7 +32,7 @@ from .onebit.apmsqueeze import APMSqueeze
 from .onebit.lamb import OneBitLAMB
 from .onebit.zeroone_adam import ZeroOneAdam
 
-__all__ = ["ALGORITHMS", "make_algorithm", "register"]
+__all__ = ["ALGORITHMS", "DEFAULT_LR", "default_lr", "lr_family", "make_algorithm", "register"]
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -57,15 +57,50 @@ for _cls in (
 ):
     register(_cls)
 
+DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adam": 1e-3}
+"""The step size each family of methods starts from when no ``lr`` is given. ``sgd``: every method whose step is
+SGD's, ``-lr`` times a gradient or an averaged, decoded or mixed one (0.1, the results' momentum-SGD recipes);
+``adam``: the methods whose step is Adam's or LAMB's, scaled by the second moment (1e-3, Kingma & Ba's, the
+1-bit Adam and LAMB papers' and DeepSpeed's), and the local-update methods with ``inner_optimizer="adamw"``.
+An Adam-type step taken at SGD's 0.1 moves every coordinate by about 0.1 per step and diverges."""
+
+ADAM_FAMILY = frozenset({"allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb"})
+"""The registered methods whose own step is Adam's or LAMB's (their default ``lr`` is ``DEFAULT_LR["adam"]``)."""
+
+_BUILT_IN = frozenset(ALGORITHMS)
+
+
+def lr_family(name: str, options: dict | None = None) -> str | None:
+    """The step-size family (a key of :data:`DEFAULT_LR`) of algorithm ``name`` with config ``options``; None for
+    an algorithm registered by the user (its config's own ``lr`` default applies)."""
+    if name not in _BUILT_IN:
+        return None
+    if name in ADAM_FAMILY or (options or {}).get("inner_optimizer") == "adamw":
+        return "adam"
+    return "sgd"
+
+
+def default_lr(name: str, options: dict | None = None) -> float:
+    """The ``lr`` algorithm ``name`` takes when none is given, with config ``options`` (``inner_optimizer``
+    decides the family of the local-update methods): its family's :data:`DEFAULT_LR`, else its config's default.
+
+    The apps' ``--lr`` defaults to it and :func:`make_algorithm` fills it in when it builds the optimizer; an
+    explicit ``lr`` always wins.
+    """
+    family = lr_family(name, options)
+    if family is not None:
+        return DEFAULT_LR[family]
+    return next(f.default for f in dataclasses.fields(ALGORITHMS[name].config_class) if f.name == "lr")
+
 
 def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorithm:
     """Build algorithm ``name`` around ``model`` on ``comm`` with its config fields given as ``options``.
 
     ``optimizer``: a ``torch.optim.Optimizer`` over ``model``'s parameters to use as the local step
     (:meth:`Algorithm.use_optimizer`); without one the algorithm builds its own from ``lr``,
-    ``momentum`` and ``weight_decay``. Collective: an unknown name or option, an invalid value, or an
-    optimizer this algorithm refuses raises the same ``ValueError`` on every rank (naming the option
-    and what is allowed) instead of leaving ranks out of step.
+    ``momentum`` and ``weight_decay``, ``lr`` defaulting to :func:`default_lr` (its family's). Collective: an
+    unknown name or option, an invalid value, or an optimizer this algorithm refuses raises the same
+    ``ValueError`` on every rank (naming the option and what is allowed) instead of leaving ranks out of step.
     """
     error, config, cls = None, None, ALGORITHMS.get(name)
     try:
@@ -77,6 +112,8 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
         unknown = sorted(set(options) - fields)
         if unknown:
             raise ValueError(f"{name}: unknown option(s) {unknown}; valid options are {sorted(fields)}")
+        if optimizer is None and "lr" not in options:
+            options = {**options, "lr": default_lr(name, options)}
         config = cls.config_class(**options)
         cls.check_communicator(config, comm)
     except (ValueError, TypeError) as exc:

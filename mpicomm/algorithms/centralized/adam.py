@@ -63,8 +63,12 @@ class AdamConfig(AlgorithmConfig):
 
 
 @dataclass(frozen=True)
-class AllReduceAdamConfig(HierarchicalConfig, AdamConfig):
-    """AllReduce-Adam options: Adam's and hierarchical."""
+class AllReduceAdamConfig(AdamConfig, HierarchicalConfig):
+    """AllReduce-Adam options: Adam's and hierarchical.
+
+    AdamConfig comes first: a dataclass takes a field's default from the last base in reverse method order that
+    has the field, and HierarchicalConfig carries every algorithm's ``lr`` of 0.1, which would replace Adam's.
+    """
 
 
 class AllReduceAdam(Algorithm):

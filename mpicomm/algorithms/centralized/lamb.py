@@ -52,8 +52,9 @@ class LAMBConfig(AdamConfig):
 
 
 @dataclass(frozen=True)
-class LAMBTwoLevelConfig(HierarchicalConfig, LAMBConfig):
-    """LAMB options: Adam's, the trust ratio's and hierarchical."""
+class LAMBTwoLevelConfig(LAMBConfig, HierarchicalConfig):
+    """LAMB options: Adam's, the trust ratio's and hierarchical (LAMBConfig first, so that its ``lr`` default
+    is Adam's: see AllReduceAdamConfig)."""
 
 
 class LAMB(Algorithm):

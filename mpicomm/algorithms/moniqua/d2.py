@@ -41,7 +41,16 @@ __all__ = ["MoniquaD2", "MoniquaD2Config"]
 @dataclass(frozen=True)
 class MoniquaD2Config(NodeGraphConfig, MoniquaConfig):
     """Moniqua-D² options: Moniqua's (bits, rounding, gamma, theta, ...), hierarchical and node_topology;
-    momentum must stay 0."""
+    momentum must stay 0.
+
+    parts: P, each tensor sends one of P rotating parts per step; default 1 here (every coordinate mixed every
+    step). D²'s extrapolation 2 x_k - x_(k-1) needs the same mixing matrix on consecutive steps: a coordinate
+    mixed with W one step in P and with I the P - 1 others follows a recursion whose consensus error grows (per
+    step by 1.32x over a cycle at P = 4 on 2 ranks, where W's second eigenvalue is 0), so P > 1 diverges on a
+    well-mixed graph.
+    """
+
+    parts: int = 1
 
     def __post_init__(self):
         super().__post_init__()
