@@ -22,6 +22,7 @@ from mpicomm.training.console import announce_start  # noqa: E402  (light: befor
 announce_start("train_bert", "importing torch and transformers")
 
 from bert.task import build_task as build_bert_task  # noqa: E402
+from bert.task import check_options  # noqa: E402
 
 from mpicomm.training.apprun import run_app  # noqa: E402
 from mpicomm.training.arguments import app_parser  # noqa: E402
@@ -61,6 +62,12 @@ def run_settings(args) -> dict:
     return out
 
 
+def check_args(args) -> None:
+    """This app's option values that need no data, refused (``ValueError``) before anything is built: by the
+    launch and by ``mpicomm slurm check`` (the rules are the task's own)."""
+    check_options(args.preset, args.seq_len, args.batch_size, args.seed, args.eval_sequences)
+
+
 def build_task(args, rank: int, size: int):
     """Corpus, tokenizer, model and batches for this rank."""
     return build_bert_task(args.preset, args.data or None, args.tokenizer or None, args.seq_len, args.batch_size,
@@ -70,7 +77,7 @@ def build_task(args, rank: int, size: int):
 
 def main(argv=None) -> int:
     """Parse, set up on every rank, train, and print the final summary on rank 0."""
-    return run_app("train_bert", build_parser(), build_task, argv, settings=run_settings,
+    return run_app("train_bert", build_parser(), build_task, argv, settings=run_settings, check=check_args,
                    preparing="reading the corpus, training the tokenizer and building BERT",
                    headline=("val_mlm_accuracy", "final masked-token accuracy of the averaged model"))
 

@@ -23,9 +23,9 @@ from mpicomm.training.console import announce_start  # noqa: E402  (light: befor
 
 announce_start("train_resnet", "importing torch")
 
-from data.image_task import ImageTask  # noqa: E402
+from data.image_task import ImageTask, check_sizes  # noqa: E402
 from data.images import DATASETS, load_dataset  # noqa: E402
-from models.resnet import MODELS, build_model  # noqa: E402
+from models.resnet import MODELS, build_model, check_model  # noqa: E402
 
 from mpicomm.training.apprun import run_app  # noqa: E402
 from mpicomm.training.arguments import app_parser  # noqa: E402
@@ -63,6 +63,13 @@ def run_settings(args) -> dict:
             "--batch-size": args.batch_size, "--dirichlet-alpha": args.dirichlet_alpha, "--no-augment": args.no_augment}
 
 
+def check_args(args) -> None:
+    """This app's option values that need no data, refused (``ValueError``) before anything is built: by the
+    launch and by ``mpicomm slurm check`` (the rules are the model's and the task's own)."""
+    check_model(args.model, args.norm)
+    check_sizes(args.batch_size, args.eval_limit)
+
+
 def build_task(args, rank: int, size: int) -> ImageTask:
     """Data and model for this rank."""
     data = load_dataset(dataset_of(args), args.data_dir, seed=args.seed)
@@ -74,7 +81,7 @@ def build_task(args, rank: int, size: int) -> ImageTask:
 
 def main(argv=None) -> int:
     """Parse, set up on every rank, train, and print the final summary on rank 0."""
-    return run_app("train_resnet", build_parser(), build_task, argv, settings=run_settings,
+    return run_app("train_resnet", build_parser(), build_task, argv, settings=run_settings, check=check_args,
                    headline=("test_accuracy", "final test accuracy of the averaged model"))
 
 

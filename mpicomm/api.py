@@ -152,15 +152,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
     from .comm import Communicator, raise_together
 
     job = _JOB or init()
-    graph, error = None, None
+    graph, spec, error = None, None, None
     try:
         graph = topologies.build(topology, job.size)
+        spec = _net_setting(net)
         if algorithm == "auto":
             auto, options = _auto_request(options)
     except (ValueError, TypeError) as exc:
         error = exc
     raise_together(job.world, error)
-    comm = Communicator(job.world, graph, net=net)
+    comm = Communicator(job.world, graph, net=spec)
     if algorithm != "auto":
         return make_algorithm(algorithm, model, comm, optimizer=optimizer, **options)
     from .plan.choose import accepted_options, plan_choice
@@ -174,6 +175,20 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
         logging.getLogger("mpicomm").info("algorithm='auto': %s (%s); %s", record["algorithm"], record["label"],
                                           record["reason"])
     return algo
+
+
+def _net_setting(net):
+    """``wrap``'s ``net`` parsed (None: no model), or ``ValueError`` naming ``net`` and what it expects."""
+    from .net import NetLinks, NetSpec, parse_net
+
+    if net is None or isinstance(net, (NetSpec, NetLinks)):
+        return net
+    if not isinstance(net, str):
+        raise ValueError(f"net must be a string such as '1gbit,100us' (or None), got {type(net).__name__} {net!r}")
+    try:
+        return parse_net(net)
+    except ValueError as exc:
+        raise ValueError(f"net={net!r}: {str(exc).removeprefix('--net: ')}") from None
 
 
 def _auto_request(options: dict) -> tuple[dict, dict]:
@@ -190,9 +205,9 @@ def _auto_request(options: dict) -> tuple[dict, dict]:
         raise ValueError(f"algorithm='auto' takes step_time, tolerance and the options every method shares "
                          f"({', '.join(sorted(shared))}); got {', '.join(extra)}")
     step_time = request["step_time"]
-    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
-        raise ValueError("algorithm='auto' needs step_time=SECONDS > 0: the compute of one forward and backward "
-                         f"pass of your training step (time a few steps of your loop); got {step_time!r}")
+    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not 0 < step_time < float("inf"):
+        raise ValueError("algorithm='auto' needs step_time=SECONDS > 0 and finite: the compute of one forward and "
+                         f"backward pass of your training step (time a few steps of your loop); got {step_time!r}")
     return request, options
 
 

@@ -1,6 +1,10 @@
 """The job presets: GPU presets bind one GPU per task with --device auto, the CPU preset runs one rank per
 core on the CPU, a GPU preset with gpus-per-task=0 is refused with the reason, and the template's
-oversubscription switch exports MPICH's yield setting exactly when ranks outnumber the node's CPUs."""
+oversubscription switch exports MPICH's yield setting exactly when ranks outnumber the node's CPUs.
+
+``mpicomm slurm check`` passes every rendered preset and refuses a job the app refuses at launch with the
+app's own line: the app launched with each such job's options is the reference (those launches read only
+their exit status and output, so they run one after another in one 1-rank MPI job, ``run_apps``)."""
 
 import dataclasses
 import os
@@ -17,7 +21,7 @@ from mpicomm.slurm.presets import PRESETS, check_preset, is_gpu_preset
 from mpicomm.training.arguments import parse_app_args
 from mpicomm.training.options import config_kwargs
 
-from .app_runs import app_module
+from .app_runs import app_module, run_apps
 
 GENERIC = open(os.path.join(repo_slurm_dir(), "generic.sbatch")).read()
 GPU = sorted(n for n in PRESETS if is_gpu_preset(n))
@@ -130,7 +134,7 @@ def checked(tmp_path_factory):
     settings = {"present": (present, None), "absent": (absent, None), "checked-in": (absent, None),
                 "options": (present, {"EXTRA_ARGS": "--model resnet20 --no-such-option 3"}),
                 "venv": (present, {"VENV": str(work / "nowhere")}), "mixed": (present, None)}
-    jobs = {setting: [] for setting in settings}
+    jobs = {setting: [] for setting in [*settings, "launch"]}
     for name in sorted(PRESETS):
         job = work / f"{name}.sbatch"
         subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "render", name, "-o", str(job)], cwd=work,
@@ -148,6 +152,16 @@ def checked(tmp_path_factory):
                     "--set", "EXTRA_ARGS=--no-such-option 3"], cwd=work, check=True, capture_output=True)
     jobs["mixed"] = [(("mixed", "good"), str(work / "resnet20_cpu.sbatch")),
                      (("mixed", "bad"), str(work / "bad.sbatch"))]
+    # jobs the app refuses at launch (one command checks them all), and one whose EXTRA_ARGS names the method
+    settings["launch"] = (present, None)
+    rendered = (work / "resnet20_cpu.sbatch").read_text()
+    for case, (extra, topology) in {**LAUNCH_REFUSALS, "algorithm": (["--algorithm", "moniqua"], "ring")}.items():
+        job = work / f"launch-{case}.sbatch"
+        lines = [line[:-2] + "".join(f" {word}" for word in extra) + '}"' if line.startswith(': "${EXTRA_ARGS:=')
+                 else f': "${{TOPOLOGY:={topology}}}"' if line.startswith(': "${TOPOLOGY:=') else line
+                 for line in rendered.splitlines()]  # edited by hand: render refuses an unknown topology
+        job.write_text("\n".join(lines) + "\n")
+        jobs["launch"].append((("launch", case), str(job)))
     with ThreadPoolExecutor(max_workers=len(settings)) as pool:
         futures = {setting: pool.submit(_check, [job for _, job in jobs[setting]], data_dir, work, env)
                    for setting, (data_dir, env) in settings.items()}
@@ -166,8 +180,10 @@ def test_every_rendered_preset_passes_the_check_with_its_data_present(checked, n
     job, got = checked[("present", name)]
     assert got.returncode == 0, got.output  # every preset of the command passed
     preset = PRESETS[name]
+    ranks = int(preset["nodes"]) * int(preset["ntasks-per-node"])
     assert len(got.lines) == 1 and got.lines[0].startswith(
-        f"{job}: OK: {preset['APP']} with {preset['ALGORITHM']} from {REPO}, data {preset['DATA']} in "), got.output
+        f"{job}: OK: {preset['APP']} with {preset['ALGORITHM']} on {ranks} rank(s) from {REPO}, data {preset['DATA']} "
+        "in "), got.output
 
 
 @pytest.mark.timeout(900)
@@ -185,7 +201,8 @@ def test_a_preset_whose_data_is_absent_and_not_fetchable_gets_exactly_the_data_m
 def test_check_finds_the_project_of_a_checked_in_template_and_takes_fetchable_data_as_fetched(checked):
     job, got = checked[("checked-in", "resnet20_cpu")]
     assert got.returncode == 0, got.output
-    assert got.lines[0].startswith(f"{job}: OK: apps/train_resnet.py with dpsgd from {REPO}, data mnist in ")
+    assert got.lines[0].startswith(f"{job}: OK: apps/train_resnet.py with dpsgd on 64 rank(s) from {REPO}, data mnist "
+                                   "in ")
 
 
 @pytest.mark.timeout(900)
@@ -206,6 +223,45 @@ def test_one_check_of_several_jobs_answers_for_each_and_fails_if_any_fails(check
     assert first.returncode == 2 and first.output.splitlines() == first.lines + second.lines, first.output
     assert len(first.lines) == 1 and first.lines[0].startswith(f"{good}: OK: apps/train_resnet.py with dpsgd")
     assert second.lines == [f"{bad}: options: unrecognized arguments: --no-such-option 3"], second.output
+
+
+LAUNCH_REFUSALS = {  # case: (EXTRA_ARGS, TOPOLOGY) of a job the app refuses at launch
+    "model": (["--model", "resnet999"], "ring"), "batch-size": (["--batch-size", "0"], "ring"),
+    "net": (["--net", "garbage"], "ring"), "latency": (["--net", "1gbit,1e300s"], "ring"),
+    "slow-ranks": (["--slow-ranks", "0:inf"], "ring"), "topology": ([], "moebius"),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each case of :data:`LAUNCH_REFUSALS` launched (1 rank, one batch): what the app itself says."""
+    root = tmp_path_factory.mktemp("launched")
+    runs = {case: ("train_resnet.py", ["--max-steps", "1", "--no-progress", "--algorithm", "dpsgd", "--topology",
+                                       topology, *extra])
+            for case, (extra, topology) in LAUNCH_REFUSALS.items()}
+    return run_apps(1, runs, root / "batch")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", sorted(LAUNCH_REFUSALS))
+def test_check_refuses_what_the_launch_refuses_with_the_launchs_line(checked, launched, case):
+    """The app launched with the job's options exits 2 with one error line; ``slurm check`` of the job says
+    the same after ``options:`` (argparse's refusals: its last line, after ``error:``)."""
+    proc = launched[case]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if ": error: " in line]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout + proc.stderr
+    job, got = checked[("launch", case)]
+    assert got.returncode == 2, got.output
+    assert got.lines == [f"{job}: options: {errors[0].split(': error: ', 1)[1]}"], got.output
+
+
+@pytest.mark.timeout(900)
+def test_check_names_the_method_extra_args_chooses(checked):
+    """``--algorithm moniqua`` in EXTRA_ARGS of a job with ALGORITHM=dpsgd: the app trains Moniqua (its parser
+    takes the last ``--algorithm``), and the OK line says so, with the ranks the header asks for (2 x 32)."""
+    job, got = checked[("launch", "algorithm")]
+    assert len(got.lines) == 1 and got.lines[0].startswith(
+        f"{job}: OK: apps/train_resnet.py with moniqua on 64 rank(s) from {REPO}"), got.output
 
 
 def _run_job_offline(name: str, tmp_path, data_dir) -> subprocess.CompletedProcess:

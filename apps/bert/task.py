@@ -35,7 +35,7 @@ from .masking import IGNORE_INDEX, Masker
 from .model import build_model, get_preset
 from .tokenizer import SPECIAL_TOKENS, obtain_tokenizer
 
-__all__ = ["SPLIT_SEED", "BertTask", "build_task"]
+__all__ = ["SPLIT_SEED", "BertTask", "build_task", "check_options"]
 
 SPLIT_SEED = 0
 _ORDER, _MASK, _EVAL = 0, 1, 2
@@ -158,6 +158,14 @@ def _integer(name: str, value, minimum: int, maximum: int | None = None) -> int:
     return value
 
 
+def check_options(preset: str, seq_len: int, batch_size: int, seed: int, eval_sequences: int) -> tuple:
+    """``(preset's architecture, seq_len, batch_size, seed, eval_sequences)`` checked (``ValueError`` naming the
+    option otherwise): what :func:`build_task` refuses before it reads any data."""
+    arch = get_preset(preset)
+    return (arch, _integer("--seq-len", seq_len, 8, arch.max_positions), _integer("--batch-size", batch_size, 1),
+            _integer("--seed", seed, 0), _integer("eval_sequences", eval_sequences, 1))
+
+
 def build_task(preset: str, data: str | os.PathLike | None, tokenizer_path: str | os.PathLike | None,
                seq_len: int, batch_size: int, rank: int, size: int, seed: int, vocab_size: int | None,
                out_dir: str | os.PathLike | None = None, *, dropout: float = 0.1, val_fraction: float = 0.1,
@@ -171,13 +179,9 @@ def build_task(preset: str, data: str | os.PathLike | None, tokenizer_path: str 
     same one — and cached as ``out_dir/tokenizer-v<V>-<hash>.json`` (written by rank 0) when ``out_dir``
     is given. ``vocab_size`` is ignored when a tokenizer is loaded. ``eval_sequences`` bounds evaluation.
     """
-    arch = get_preset(preset)
-    seq_len = _integer("--seq-len", seq_len, 8, arch.max_positions)
-    batch_size = _integer("--batch-size", batch_size, 1)
+    arch, seq_len, batch_size, seed, eval_sequences = check_options(preset, seq_len, batch_size, seed, eval_sequences)
     size = _integer("size", size, 1)
     rank = _integer("rank", rank, 0, size - 1)
-    seed = _integer("--seed", seed, 0)
-    eval_sequences = _integer("eval_sequences", eval_sequences, 1)
     vocab_size = arch.vocab_size if vocab_size is None else vocab_size
 
     train_docs, val_docs = split_documents(load_documents(data, dataset), SPLIT_SEED, val_fraction)

@@ -11,9 +11,18 @@ from mpicomm.training.device import to_device
 
 from .images import ImageData, augment, shard_indices
 
-__all__ = ["EVAL_CHUNK", "ImageTask"]
+__all__ = ["EVAL_CHUNK", "ImageTask", "check_sizes"]
 
 EVAL_CHUNK = 128  # test images per forward pass: ResNet-20's activations for 500 took ~200 MB a rank
+
+
+def check_sizes(batch_size: int, eval_limit: int = 0) -> None:
+    """Raise ``ValueError`` naming the option unless ``batch_size`` >= 1 and ``eval_limit`` >= 0 are integers."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
+    if isinstance(eval_limit, bool) or not isinstance(eval_limit, int) or eval_limit < 0:
+        raise ValueError(f"--eval-limit must be 0 (the whole test set) or a positive number of images, "
+                         f"got {eval_limit}")
 
 
 class ImageTask:
@@ -29,11 +38,7 @@ class ImageTask:
 
     def __init__(self, model: torch.nn.Module, data: ImageData, *, rank: int, size: int, batch_size: int,
                  seed: int, dirichlet_alpha: float = 0.0, augment_images: bool = True, eval_limit: int = 0):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
-        if isinstance(eval_limit, bool) or not isinstance(eval_limit, int) or eval_limit < 0:
-            raise ValueError(f"--eval-limit must be 0 (the whole test set) or a positive number of images, "
-                             f"got {eval_limit}")
+        check_sizes(batch_size, eval_limit)
         self.model, self.data = model, data
         self.rank, self.batch_size, self.seed, self.augment = rank, batch_size, seed, augment_images
         self.indices = shard_indices(data.y_train, rank, size, seed, dirichlet_alpha)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "build_model", "check_model"]
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -103,13 +103,18 @@ class ResNet18(nn.Module):
 MODELS = {f"resnet{d}": d for d in (8, 20, 32, 44, 56, 110)} | {"resnet18": 18}
 
 
-def build_model(name: str, num_classes: int = 10, norm: str = "batch", seed: int = 0,
-                in_channels: int = 3) -> nn.Module:
-    """Build model ``name`` (see :data:`MODELS`) for ``in_channels``-channel images, weights drawn from ``seed``."""
+def check_model(name: str, norm: str = "batch") -> None:
+    """Raise ``ValueError`` naming the option unless ``name`` is in :data:`MODELS` and ``norm`` is batch or group."""
     if name not in MODELS:
         raise ValueError(f"--model: unknown model {name!r}; choose one of {sorted(MODELS)}")
     if norm not in ("batch", "group"):
         raise ValueError(f"--norm must be 'batch' or 'group', got {norm!r}")
+
+
+def build_model(name: str, num_classes: int = 10, norm: str = "batch", seed: int = 0,
+                in_channels: int = 3) -> nn.Module:
+    """Build model ``name`` (see :data:`MODELS`) for ``in_channels``-channel images, weights drawn from ``seed``."""
+    check_model(name, norm)
     torch.manual_seed(seed)
     if name == "resnet18":
         return ResNet18(num_classes, norm, in_channels)

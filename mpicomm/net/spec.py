@@ -14,19 +14,26 @@ setting (MPI's own transport, unmodelled). A few named settings cover the usual 
 Two link classes: ``intra=SETTING,inter=SETTING`` (each a name or ``BANDWIDTH,LATENCY``, e.g.
 ``intra=nvlink,inter=10gbit,5us``) sets the link between ranks of one node apart from the link between
 nodes, a :class:`NetLinks`. A single setting is both (a :class:`NetSpec`; what a flat run is charged).
+A link is at least ``1kbit`` with a latency of at most ``10s`` (:data:`MIN_BITS_PER_S`, :data:`MAX_LATENCY_S`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["LINKS", "NAMED", "NetLinks", "NetSpec", "parse_net"]
+__all__ = ["LINKS", "MAX_LATENCY_S", "MIN_BITS_PER_S", "NAMED", "NetLinks", "NetSpec", "parse_net"]
 
 _RATE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _TIME = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 NAMED = {"fast": "10gbit,1us", "gbit": "1gbit,100us", "slow": "100mbit,1ms", "ib": "200gbit,2us",
          "pcie": "200gbit,5us", "nvlink": "2400gbit,2us"}
+MIN_BITS_PER_S = 1e3
+MAX_LATENCY_S = 10.0
+"""The range of a modelled link: at least 1 kbit/s and at most 10 s one-way. Every message sleeps its modelled
+time, so a slower link models no network anyone trains over, only a run that never ends (and a latency such
+as 1e300s cannot even be slept)."""
 LINKS = ("intra", "inter")
 """The link classes: between ranks of one node (``intra``) and between nodes (``inter``)."""
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
@@ -42,8 +49,10 @@ class NetSpec:
     def __post_init__(self):
         if not self.bits_per_s > 0:
             raise ValueError(f"--net: bandwidth must be > 0 bit/s, got {self.bits_per_s}")
-        if not self.latency_s >= 0:
-            raise ValueError(f"--net: latency must be >= 0 s, got {self.latency_s}")
+        if not MIN_BITS_PER_S <= self.bits_per_s < math.inf:
+            raise ValueError(f"--net: bandwidth must be a finite rate of at least 1kbit, got {self.bits_per_s:g} bit/s")
+        if not 0 <= self.latency_s <= MAX_LATENCY_S:
+            raise ValueError(f"--net: latency must be in [0s, {MAX_LATENCY_S:g}s], got {self.latency_s:g} s")
 
     @property
     def bytes_per_s(self) -> float:

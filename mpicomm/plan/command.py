@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .accuracy import NOISE_POINTS
-from .shapes import MODELS, layers_for_model, layers_from_params
+from .shapes import MAX_PARAMS, MODELS, layers_for_model, layers_from_params
 
 __all__ = ["MAX_RANKS", "add_arguments", "main"]
 
@@ -16,7 +16,8 @@ MAX_RANKS = 1024
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``mpicomm plan``."""
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=int, help="the model's parameter count (taken as 1024 x 1024 matrices)")
+    what.add_argument("--params", type=int, help="the model's parameter count (taken as 1024 x 1024 matrices; "
+                      f"at most {MAX_PARAMS:,})")
     what.add_argument("--model", choices=list(MODELS), help="a known model (its exact layer shapes)")
     parser.add_argument("--ranks", type=int, required=True, help=f"ranks in the job (1..{MAX_RANKS})")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each node (default 1)")
@@ -37,13 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args) -> str:
     """The text to print for the parsed ``args`` (``ValueError`` with one line for a refused input)."""
     from .codec_cost import codec_costs
-    from .model import Job, auto_choice, rank_candidates
+    from .model import Job, auto_choice, check_step_time, check_tolerance, rank_candidates
     from .table import format_plan
 
     if not 1 <= args.ranks <= MAX_RANKS:
         raise ValueError(f"--ranks must be in 1..{MAX_RANKS}, got {args.ranks}")
     if args.ranks_per_node < 1:
         raise ValueError(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+    check_tolerance(args.tolerance)
+    if args.step_time is not None:
+        check_step_time(args.step_time)  # before the layers and the codec costs are worked out
     layers = layers_for_model(args.model) if args.model else layers_from_params(args.params)
     if args.measure:
         if not args.model:
@@ -58,8 +62,6 @@ def main(args) -> str:
     preds = rank_candidates(job)
     try:
         choice, reason = auto_choice(preds, args.tolerance)
-    except ValueError as exc:
-        if args.tolerance < 0:
-            raise
+    except ValueError as exc:  # no measured candidate within the (valid) tolerance: the table says so
         return format_plan(job, preds, refusal=str(exc))
     return format_plan(job, preds, choice, reason)

@@ -30,6 +30,7 @@ predicted step.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from ..algorithms.shared.buckets import OverlapConfig, bucket_ranges
@@ -40,7 +41,8 @@ from .candidates import BUCKETS, CANDIDATES, STEP, Candidate
 from .shapes import numel
 from .wire import Op
 
-__all__ = ["BACKWARD_SHARE", "WORTH_SWITCHING", "Job", "Prediction", "auto_choice", "predict", "rank_candidates"]
+__all__ = ["BACKWARD_SHARE", "MAX_STEP_TIME_S", "WORTH_SWITCHING", "Job", "Prediction", "auto_choice",
+           "check_step_time", "check_tolerance", "predict", "rank_candidates"]
 
 BACKWARD_SHARE = 2 / 3
 """The share of the compute time that backward takes, which overlap can hide communication behind."""
@@ -73,8 +75,7 @@ class Job:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
-        if not self.step_time > 0:
-            raise ValueError(f"--step-time must be > 0 seconds, got {self.step_time!r}")
+        check_step_time(self.step_time)
         if parse_net(self.net) is None:
             raise ValueError("--net is required: a setting such as 1gbit,100us, a name (fast, gbit, slow, ib, pcie, "
                              "nvlink) or intra=...,inter=...")
@@ -194,14 +195,31 @@ def rank_candidates(job: Job, candidates=CANDIDATES) -> list[Prediction]:
     return sorted(preds, key=lambda p: (p.step_s, p.candidate.key))
 
 
+MAX_STEP_TIME_S = 3600.0
+"""The longest compute step the planner takes (an hour per forward and backward pass)."""
+
+
+def check_step_time(step_time: float) -> None:
+    """``ValueError`` (one line) unless ``step_time`` is a number of seconds in (0, :data:`MAX_STEP_TIME_S`]."""
+    if not 0 < step_time <= MAX_STEP_TIME_S:
+        raise ValueError(f"--step-time must be a number of seconds in (0, {MAX_STEP_TIME_S:g}], got {step_time!r}")
+
+
+def check_tolerance(tolerance: float) -> None:
+    """``ValueError`` (one line) unless ``tolerance`` is a finite number of accuracy points >= 0."""
+    if not math.isfinite(tolerance):
+        raise ValueError(f"--tolerance must be a finite number of accuracy points, got {tolerance}")
+    if tolerance < 0:
+        raise ValueError(f"--tolerance must be >= 0 accuracy points, got {tolerance}")
+
+
 def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS) -> tuple[Prediction, str]:
     """The fastest prediction whose measured accuracy cost is at most ``tolerance`` points, and why;
     allreduce_sgd instead when that one saves less than :data:`WORTH_SWITCHING` of its step.
 
     ``ValueError`` (one line) when ``tolerance`` is negative or no measured candidate is within it.
     """
-    if not tolerance >= 0:
-        raise ValueError(f"--tolerance must be >= 0 accuracy points, got {tolerance}")
+    check_tolerance(tolerance)
     within = [p for p in preds if p.accuracy.measured and p.accuracy.points <= tolerance]
     if not within:
         measured = [p.accuracy.points for p in preds if p.accuracy.measured]

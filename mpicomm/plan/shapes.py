@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..layer import Layer
 
-__all__ = ["MODELS", "cifar_resnet", "layers_for_model", "layers_from_params", "layers_of", "numel"]
+__all__ = ["MAX_PARAMS", "MODELS", "cifar_resnet", "layers_for_model", "layers_from_params", "layers_of", "numel"]
 
 
 def _conv_bn(shapes: list, cout: int, cin: int, k: int) -> None:
@@ -88,10 +88,15 @@ def layers_for_model(name: str) -> list[Layer]:
     return layers_of(MODELS[name]())
 
 
+MAX_PARAMS = 2 * 10**11
+"""The largest ``--params`` (200 billion, past GPT-3's 175): the stand-in holds one matrix per 2^20 parameters
+and the plan's time and memory grow with their count (at this bound 6 CPU-seconds and 0.4 GB, measured)."""
+
+
 def layers_from_params(params: int) -> list[Layer]:
     """A stand-in model of ``params`` parameters: 1024 x 1024 matrices, then one vector of the rest."""
-    if isinstance(params, bool) or not isinstance(params, int) or params < 1:
-        raise ValueError(f"--params must be an integer >= 1, got {params!r}")
+    if isinstance(params, bool) or not isinstance(params, int) or not 1 <= params <= MAX_PARAMS:
+        raise ValueError(f"--params must be an integer in 1..{MAX_PARAMS:,}, got {params!r}")
     full, rest = divmod(params, 1024 * 1024)
     return layers_of([(1024, 1024)] * full + ([(rest,)] if rest else []))
 

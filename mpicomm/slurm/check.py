@@ -7,8 +7,13 @@ It resolves the job's settings as the job's shell would from this shell (a param
 * the project: ``MPICOMM_HOME`` (exported, or written by ``mpicomm slurm render``), else the folder above the
   job file, else this folder, whichever holds ``APP`` (the job looks in the same places);
 * the virtual environment ``VENV`` (default ``$MPICOMM_HOME/.venv``) and the app;
-* that its Python runs, and that the app's options parse: the job's command line goes through the app's own
-  ``build_parser()`` with the algorithm's options, the algorithm's config and the loop's (no MPI);
+* that its Python runs, and that the launch would accept the app's options: the job's command line goes through
+  the app's own ``build_parser()`` with the algorithm's options, then what the launch refuses before it builds
+  anything, by the launch's own code (``accept_args``: the loop's config, the app module's ``check_args`` such
+  as the model's name and the batch size, the topology on the job's ranks — ``ntasks``, else ``nodes`` x
+  ``ntasks-per-node`` — and the ``--net`` setting), then the algorithm's config (no MPI). A refusal is the
+  launch's own line after ``options:``; the OK line names the method the job runs (an ``--algorithm`` in
+  ``EXTRA_ARGS`` wins over ``ALGORITHM``, as in the app);
 * the data: ``DATA`` in ``MPICOMM_DATA_DIR``, present or fetchable by the job; paths given with
   ``--data-dir``/``--data`` (from ``MPICOMM_HOME``); a ``--dataset`` the job does not fetch.
 
@@ -19,11 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 from .template import parse_template
 
-__all__ = ["check_job", "check_jobs", "job_settings", "main_check"]
+__all__ = ["check_job", "check_jobs", "job_ranks", "job_settings", "main_check"]
 
 _DEFAULT_DATA_DIR = "$HOME/.cache/mpicomm/data"
 
@@ -42,6 +48,19 @@ def job_settings(text: str, environ: dict | None = None) -> dict[str, str]:
         data_dir = os.path.expandvars(data_dir)
     out["MPICOMM_DATA_DIR"] = data_dir
     return out
+
+
+def job_ranks(text: str) -> int:
+    """The ranks the job starts, as its header asks: ``ntasks``, else ``nodes`` x ``ntasks-per-node`` (1 where a
+    count is absent; the lower end of a ``nodes`` range such as ``2-4``)."""
+    template = parse_template(text)
+
+    def count(key: str) -> int:
+        value = (template.value(key) or "") if key in template.headers else ""
+        digits = re.match(r"\d+", value.strip())
+        return max(1, int(digits.group())) if digits else 1
+
+    return count("ntasks") if "ntasks" in template.headers else count("nodes") * count("ntasks-per-node")
 
 
 def _home(settings: dict[str, str], job_path: str) -> tuple[str, str]:
@@ -77,7 +96,8 @@ def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | 
     """``(problems, probe)`` for one job file before its Python runs: what is already wrong, and what the probe
     needs (None when nothing is left to probe)."""
     with open(job_path) as f:
-        settings = job_settings(f.read(), environ)
+        text = f.read()
+    settings = job_settings(text, environ)
     home, problem = _home(settings, job_path)
     if problem:
         return [problem], None
@@ -94,7 +114,7 @@ def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | 
     if not os.path.isfile(python):
         python = "python3"
     spec = {"app": app, "argv": _argv(settings), "data": settings.get("DATA", ""),
-            "fetcher": os.path.join(home, "apps", "fetch_data.py")}
+            "fetcher": os.path.join(home, "apps", "fetch_data.py"), "ranks": job_ranks(text)}
     return problems, {"python": python, "home": home, "settings": settings, "spec": spec}
 
 
@@ -142,7 +162,8 @@ def check_jobs(job_paths: list[str], environ: dict | None = None) -> list[tuple[
             out.append((problems + [found], ""))
             continue
         settings, data = todo["settings"], todo["settings"].get("DATA", "")
-        summary = (f"{settings.get('APP')} with {settings.get('ALGORITHM')} from {todo['home']}"
+        algorithm = found.get("algorithm") or settings.get("ALGORITHM")  # EXTRA_ARGS may name another
+        summary = (f"{settings.get('APP')} with {algorithm} on {todo['spec']['ranks']} rank(s) from {todo['home']}"
                    + (f", data {data} in {settings['MPICOMM_DATA_DIR']}" if data else "")
                    + "".join(f"; {note}" for note in found.get("notes", [])))
         out.append((problems + found.get("problems", []), summary))

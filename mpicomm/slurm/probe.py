@@ -1,10 +1,12 @@
 """The part of ``mpicomm slurm check`` that runs in the job's own Python, from the job's project folder.
 
 Run as ``python probe.py SPECS`` (``SPECS``: a JSON list of objects with ``app``, ``argv``, ``data``,
-``fetcher``): for each, it imports the app (once per file), parses ``argv`` with the app's own parser and the
-algorithm's options (no MPI is started), builds the algorithm's config and the loop's, checks the data the
-command line names, and prints, as its last line of output, the JSON list of answers, each
-``{"problems": [one line each], "notes": [what the job will do, e.g. fetch the data]}``.
+``fetcher``, ``ranks``): for each, it imports the app (once per file), parses ``argv`` with the app's own parser
+and the algorithm's options (no MPI is started), accepts the options as the launch of ``ranks`` ranks does
+before it builds anything (``mpicomm.training.arguments.accept_args``: the loop's config, the app module's
+``check_args``, the topology, the network), builds the algorithm's config, checks the data the command line
+names, and prints, as its last line of output, the JSON list of answers, each ``{"problems": [one line each],
+"notes": [what the job will do, e.g. fetch the data], "algorithm": the method the job runs}``.
 It imports only what any mpicomm install has, so an older or newer install in the job's environment still
 answers.
 """
@@ -34,26 +36,32 @@ def _import(path: str, name: str):
     return module
 
 
-def _options(app, argv: list[str]):
-    """``(args, problem)``: ``argv`` through the app's parser, the algorithm's config and the loop's config."""
+def _options(app, argv: list[str], ranks: int):
+    """``(args, problem)``: ``argv`` through the app's parser, then what the launch of ``ranks`` ranks accepts
+    before building anything (the loop's config, the app's ``check_args``, the topology, the network:
+    ``accept_args``, where the job's mpicomm has it), then the algorithm's config."""
     from mpicomm.algorithms import ALGORITHMS
-    from mpicomm.training.arguments import parse_app_args, train_config
+    from mpicomm.training import arguments
     from mpicomm.training.options import config_kwargs
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = parse_app_args(app.build_parser(), argv)
-        options = config_kwargs(args, args.algorithm)
-        fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
-        if "total_steps" in fields:
-            options.setdefault("total_steps", 100_000)  # the app sets it from the epochs and the data
-        ALGORITHMS[args.algorithm].config_class(**options)
-        train_config(args)
+            args = arguments.parse_app_args(app.build_parser(), argv)
+        if hasattr(arguments, "accept_args"):
+            arguments.accept_args(args, ranks, getattr(app, "check_args", None))
+        else:  # an older mpicomm in the job's environment
+            arguments.train_config(args)
+        if args.algorithm in ALGORITHMS:  # not "auto", which the launch resolves
+            options = config_kwargs(args, args.algorithm)
+            fields = {f.name for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
+            if "total_steps" in fields:
+                options.setdefault("total_steps", 100_000)  # the app sets it from the epochs and the data
+            ALGORITHMS[args.algorithm].config_class(**options)
     except SystemExit:  # argparse: its last line is the one that says what is wrong
         lines = err.getvalue().strip().splitlines()
         return None, lines[-1].split(": error: ", 1)[-1] if lines else "the app's parser refused the options"
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return args, ""
 
@@ -100,7 +108,7 @@ def _answer(spec: dict, imported: dict) -> dict:
     app = imported[spec["app"]]
     if isinstance(app, str):
         return {"problems": [app], "notes": notes}
-    args, problem = _options(app, spec["argv"])
+    args, problem = _options(app, spec["argv"], spec.get("ranks", 1))
     if problem:
         return {"problems": [f"options: {problem}"], "notes": notes}
     fetcher = None
@@ -111,7 +119,7 @@ def _answer(spec: dict, imported: dict) -> dict:
     elif spec["data"]:
         problems.append(f"data: DATA={spec['data']} but {spec['fetcher']} does not exist")
     problems += _data(args, spec["data"], fetcher, notes)
-    return {"problems": problems, "notes": notes}
+    return {"problems": problems, "notes": notes, "algorithm": args.algorithm}
 
 
 def main() -> None:

@@ -68,13 +68,14 @@ def _refused(console: Console, exc: BaseException) -> int | None:
 
 
 def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] = ("", ""),
-            preparing: str = "loading the data and building the model", settings=None) -> int:
+            preparing: str = "loading the data and building the model", settings=None, check=None) -> int:
     """Run one training app; ``build_task(args, rank, size)`` returns its Task (model included).
 
     ``preparing`` says what the set-up does, printed before it starts (it can take a while).
     ``settings(args)``: the app's own options its runs' trajectory depends on, by flag (``{"--batch-size":
     32, …}``), which a resume compares with the checkpoint's run (a path such as ``--data`` is best left out:
-    the data may move).
+    the data may move). ``check(args)``: the app's own option values that need no data, refused (``ValueError``)
+    before anything is built; ``mpicomm slurm check`` calls the app module's ``check_args`` the same way.
     """
     console = Console(name)
     try:
@@ -90,7 +91,7 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
     console.info(f"{size} rank(s): {preparing} …")
     with abort_on_exception(mpi_comm):
         try:
-            task, algo, cfg, lock = setup_run(args, mpi_comm, lambda: build_task(args, rank, size), console)
+            task, algo, cfg, lock = setup_run(args, mpi_comm, lambda: build_task(args, rank, size), console, check)
         except (ValueError, TypeError) as exc:
             code = _refused(console, exc)
             if code is None:

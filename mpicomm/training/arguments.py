@@ -35,8 +35,8 @@ from .precision import PRECISIONS
 from .rundir import RunLock, claim_out_dir
 from .tensorboard import require_tensorboard
 
-__all__ = ["OptionRefused", "app_parser", "derived_options", "fractions", "parse_app_args", "run_settings",
-           "seed_everything", "setup_run", "train_config"]
+__all__ = ["MAX_SLOWDOWN", "OptionRefused", "accept_args", "app_parser", "derived_options", "fractions",
+           "parse_app_args", "run_settings", "seed_everything", "setup_run", "train_config"]
 
 
 class OptionRefused(ValueError):
@@ -125,14 +125,20 @@ def fractions(text: str) -> tuple[float, ...]:
                                          f"got {text!r}") from None
 
 
+MAX_SLOWDOWN = 1000.0
+"""The largest ``--slow-ranks`` factor: a rank 1000 times slower is already a stalled one (and an infinite
+factor cannot be slept)."""
+
+
 def slowdowns(text: str) -> tuple[tuple[int, float], ...]:
     """``"3:2,5:4"`` -> ``((3, 2.0), (5, 4.0))``: argparse's type for ``--slow-ranks`` (rank:factor pairs)."""
     try:
         pairs = tuple((int(rank), float(factor)) for rank, factor in (item.split(":") for item in text.split(",")))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected RANK:FACTOR pairs such as 3:2 or 3:2,5:4, got {text!r}") from None
-    if any(rank < 0 or not factor >= 1 for rank, factor in pairs):
-        raise argparse.ArgumentTypeError(f"ranks must be >= 0 and factors >= 1, got {text!r}")
+    if any(rank < 0 or not 1 <= factor <= MAX_SLOWDOWN for rank, factor in pairs):
+        raise argparse.ArgumentTypeError(f"ranks must be >= 0 and factors >= 1 (at most {MAX_SLOWDOWN:g}), "
+                                         f"got {text!r}")
     return pairs
 
 
@@ -201,25 +207,38 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup_run(args: argparse.Namespace, mpi_comm, build, console=None):
+def accept_args(args: argparse.Namespace, size: int, check=None) -> tuple:
+    """What a launch of ``size`` ranks refuses in the parsed ``args`` before anything is built: the loop's
+    config, the app's own option values (``check(args)``, which raises), a missing TensorBoard, the topology on
+    ``size`` ranks, the network and the options that cannot go together. Returns ``(cfg, topology, net)``; raises
+    the ``ValueError`` (or ``TypeError``, ``OSError``) whose message the app prints. :func:`setup_run` and
+    ``mpicomm slurm check`` both call it, so a checked job is refused with the launch's own line."""
+    cfg = train_config(args)
+    if check is not None:
+        check(args)
+    if cfg.tensorboard:
+        require_tensorboard()  # on every rank, so that a missing package is one agreed refusal
+    topo = topology.build(args.topology, size)
+    net = parse_net(args.net)
+    if cfg.precision == "fp16" and getattr(args, "overlap", False):
+        raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped exchange "
+                         "sends gradients before the loss scale's overflow check; use bf16 or no --overlap")
+    return cfg, topo, net
+
+
+def setup_run(args: argparse.Namespace, mpi_comm, build, console=None, check=None):
     """Collective: the topology and communicator, ``--out-dir`` claimed, ``build()`` -> task, then the algorithm.
 
     Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value, an output
     directory in use) becomes the same ``ValueError`` on every rank, so the app can print it once and
-    exit non-zero, no hang. Returns ``(task, algo, cfg, lock)``: ``lock`` holds ``--out-dir`` until released.
+    exit non-zero, no hang. ``check(args)``: the app's own option values, refused first (:func:`accept_args`).
+    Returns ``(task, algo, cfg, lock)``: ``lock`` holds ``--out-dir`` until released.
     """
     error, cfg, topo, net = None, None, None, None
     device = place(args.device, mpi_comm)  # before anything is built: a device error trains nothing
     seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
     try:
-        cfg = train_config(args)
-        if cfg.tensorboard:
-            require_tensorboard()  # on every rank, so that a missing package is one agreed refusal
-        topo = topology.build(args.topology, mpi_comm.Get_size())
-        net = parse_net(args.net)
-        if cfg.precision == "fp16" and getattr(args, "overlap", False):
-            raise ValueError("--precision fp16 cannot be combined with --overlap: the overlapped exchange "
-                             "sends gradients before the loss scale's overflow check; use bf16 or no --overlap")
+        cfg, topo, net = accept_args(args, mpi_comm.Get_size(), check)
     except (ValueError, TypeError, OSError) as exc:
         error = exc
     raise_together(mpi_comm, error)
