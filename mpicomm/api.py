@@ -24,7 +24,12 @@ prints that rank's traceback and aborts the whole job, so no rank is left waitin
 What ``wrap`` keeps in step, as DDP does: every parameter (trainable or frozen) and every buffer starts
 equal to rank 0's; the trainable ones are averaged or mixed by the algorithm, the frozen ones and the
 buffers are saved and restored, and ``averaged_model()`` averages the floating-point buffers too. The
-parameters must be float32 (or float64): half precision is for the compute, under ``torch.autocast``.
+parameters must be float32 (or float64): half precision is for the compute, under ``torch.autocast``
+(``model.half()`` after ``wrap`` is one line at the next step, as is a parameter group added to the optimizer
+then). A parameter that got no gradient in a step is not stepped by your optimizer, as with DDP's
+``find_unused_parameters=True``: centralized methods agree on it over the ranks (one used on some ranks only
+is stepped with the average, the others counting zero), the others decide on each rank
+(:meth:`~mpicomm.algorithms.base.Algorithm.use_optimizer`).
 """
 
 from __future__ import annotations

@@ -296,6 +296,14 @@ class Algorithm(abc.ABC):
         ``torch.optim.lr_scheduler`` works, and :meth:`set_lr` writes one lr into every group.
         ``state_dict()`` carries the optimizer's state; a scheduler's state is the caller's to save.
 
+        A parameter that got no gradient in an update (backward did not reach it since :meth:`zero_grad`; one
+        set by hand counts when non-zero) is not stepped: its ``.grad`` is None during ``optimizer.step()``, as
+        in torch. Centralized methods agree on it over the ranks, as DDP with ``find_unused_parameters=True``
+        (:class:`~mpicomm.algorithms.shared.user_loop.UsedParameters`): skipped if no rank used it, stepped
+        with the average (zeros from the ranks that did not) if some did. The others decide on each rank, whose
+        optimizer steps its own gradient. A parameter group added to the optimizer afterwards is refused at the
+        next step (one line).
+
         Raises ``ValueError`` on every rank if this algorithm's optimizer is part of the method, if the
         optimizer's parameters are not exactly the model's trainable ones, if ``lr``/``momentum``/
         ``weight_decay`` were also set, or if the ranks' optimizers differ (type or group options).
