@@ -7,15 +7,17 @@ transformers alone) and evaluated as the apps evaluate: the averaged model must 
 exported tensors are also checked against the checkpoint read with plain h5py. Bad input: one line,
 exit 2, nothing written.
 
-The app runs (the ResNet and BERT runs, the ResNet run without ``--save-every`` and the one with
-``--eval-bn-batches 0``) read only their exit status and files, so they run one after another in one 2-rank
-MPI job (``run_apps``: Python and torch start once). The export itself runs in this process, and once in a
-fresh Python without MPI (a subprocess that checks mpi4py is never imported).
+A run stopped after an evaluation (``--stop-at-step``, as SIGUSR1 stops it) is exported as the model its final
+line scored. The app runs (the ResNet and BERT runs, the ResNet run without ``--save-every``, the one with
+``--eval-bn-batches 0`` and the stopped one) read only their exit status, output and files, so they run one
+after another in one 2-rank MPI job (``run_apps``: Python and torch start once). The export itself runs in
+this process, and once in a fresh Python without MPI (a subprocess that checks mpi4py is never imported).
 """
 
 import importlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +51,7 @@ RUNS = {  # name: (app, arguments but --out-dir)
     "plain": ("train_resnet.py", RESNET_DPSGD),
     "resnet_bn0": ("train_resnet.py", [*RESNET_DPSGD, "--eval-bn-batches", "0", *SAVE_AT_END]),
     "bert": ("train_bert.py", [*BERT, *SAVE_AT_END]),
+    "stopped": ("train_resnet.py", [*RESNET_DPSGD, "--eval-every", "2", "--stop-at-step", "3"]),
 }
 
 
@@ -168,6 +171,31 @@ def test_the_default_export_of_a_run_is_the_model_it_scored(app_runs, tmp_path, 
     got = _resnet_eval(torch.load(tmp_path / "model.pt", weights_only=True))
     assert got["test_accuracy"] == final["test_accuracy"]
     assert got["test_loss"] == pytest.approx(final["test_loss"], rel=1e-6)
+
+
+def test_a_stopped_runs_final_line_and_export_name_the_same_evaluated_model(app_runs, tmp_path, capsys):
+    """Stopped at step 3 (as by SIGUSR1) after its evaluation at step 2: the final line gives step 2's score and
+    says it is step 2's model's; ``mpicomm export`` with no option writes that model, which scores it again."""
+    root, results = app_runs
+    proc = results["stopped"]
+    assert proc.returncode == 128 + signal.SIGUSR1, proc.stderr[-3000:]
+    out = root / "stopped"
+    evals = [r for r in strict_records(out / "metrics.jsonl") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2]
+    final = [line for line in proc.stdout.splitlines() if "test accuracy of the averaged model" in line]
+    assert final == [f"train_resnet: test accuracy of the averaged model of step 2 (its last evaluation; mpicomm "
+                     f"export {out} writes that model): {100 * evals[0]['test_accuracy']:.2f} %  |  steps 3/4"
+                     + final[0].split("steps 3/4", 1)[-1]], proc.stdout
+    code, printed, _ = _export(capsys, out, "-o", tmp_path / "model.pt")
+    assert code == 0 and "the average of 2 ranks' models of step 2 (" in printed, printed
+    assert "the model the run evaluated at step 2" in printed and "stopped at step 3" in printed, printed
+    got = _resnet_eval(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert got["test_accuracy"] == evals[0]["test_accuracy"]
+    assert got["test_loss"] == pytest.approx(evals[0]["test_loss"], rel=1e-6)
+    code, printed, _ = _export(capsys, out, "-o", tmp_path / "now.pt", "--buffers", "average")  # step 3's own
+    assert code == 0 and "models of step 3 (" in printed, printed
+    now, then = (torch.load(tmp_path / name, weights_only=True)["fc.weight"] for name in ("now.pt", "model.pt"))
+    assert not torch.equal(now, then)
 
 
 def test_resnet_evaluation_with_rank_0s_statistics(app_runs, tmp_path, capsys):

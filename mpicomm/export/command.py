@@ -67,7 +67,7 @@ def export(args: argparse.Namespace) -> list[str]:
 
         notes += save_pretrained(weights, out)
         kind = "Hugging Face save_pretrained folder"
-    lines = [f"wrote {weights.what} of step {weights.meta['step']} ({weights.directory}) to {out} ({kind})"]
+    lines = [f"wrote {weights.what} of step {weights.step} ({weights.directory}) to {out} ({kind})"]
     return lines + [f"  {note}" for note in notes]
 
 

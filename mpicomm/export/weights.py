@@ -9,6 +9,8 @@ mean, variance and batch count, and non-persistent buffers). Serial: h5py only, 
   in rank 0's file (``ranks/0/evaluated``), the model its last evaluation scored — the average of the
   ranks' parameters as the run computed it, with the BatchNorm statistics recomputed for those weights
   (``--eval-bn-batches``; rank 0's own with 0). Exported, it scores exactly what ``metrics.jsonl`` reports.
+  The checkpoint of a run stopped by a signal (or ``--stop-at-step``) keeps the last evaluation's model too,
+  of an earlier step: the one the app's final line scores, exported as that step's (``Weights.step``).
   A checkpoint without it (saved between evaluations, or by an older mpicomm) gives the average below.
 * ``rank=R``: rank R's parameters and buffers, exactly as saved.
 * the average (``rank=None``, ``buffers="average"`` or a rank): the mean of every rank's parameters
@@ -48,6 +50,13 @@ class Weights:
     meta: dict
     ranks: list[int]
     notes: list[str] = field(default_factory=list)
+    step: int | None = None
+    """The step whose model this is: the checkpoint's (None: ``meta["step"]``), or the step of the last
+    evaluation kept in a stopped run's checkpoint."""
+
+    def __post_init__(self):
+        if self.step is None:
+            self.step = int(self.meta["step"])
 
     @property
     def what(self) -> str:
@@ -119,11 +128,12 @@ def _keyed(params: dict, buffers: dict, record: dict | None, notes: list[str]) -
 
 
 def _evaluated(directory: Path, meta: dict, save_id: str):
-    """The model the run's evaluation scored at this checkpoint's step (rank 0's ``evaluated`` entry), or None."""
+    """``(params, buffers, step)`` of the model the run's last evaluation scored (rank 0's ``evaluated`` entry),
+    or None. Its step is the checkpoint's, or an earlier one in the checkpoint of a stopped run."""
     entry = read_rank_entry(directory, 0, meta, save_id, ("evaluated",), missing_ok=True)
-    if entry is None or int(entry["step"]) != int(meta["step"]):
+    if entry is None or int(entry["step"]) > int(meta["step"]):
         return None
-    return entry["params"], entry["buffers"]
+    return entry["params"], entry["buffers"], int(entry["step"])
 
 
 def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -> Weights:
@@ -145,10 +155,14 @@ def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -
         raise ExportError(f"--buffers must be 'evaluated', 'average' or a rank in [0, {size - 1}], got {buffers!r}")
     notes: list[str] = []
     evaluated = _evaluated(directory, meta, save_id) if rank is None and buffers == "evaluated" else None
+    step = int(meta["step"])
     if evaluated is not None:
-        flat, kept = evaluated
-        notes.append(f"the model the run evaluated at step {meta['step']}: the ranks' average with the "
+        flat, kept, step = evaluated
+        notes.append(f"the model the run evaluated at step {step}: the ranks' average with the "
                      f"{_buffer_words(kept)} it was scored with")
+        if step != int(meta["step"]):
+            notes.append(f"the run was stopped at step {meta['step']}, after its last evaluation; --buffers "
+                         f"average exports the ranks' average at step {meta['step']} instead (not evaluated)")
         ranks = list(range(size))
     else:
         if rank is None and buffers == "evaluated":
@@ -163,7 +177,7 @@ def read_weights(path, *, rank: int | None = None, buffers: str = "evaluated") -
             notes.append(f"floating-point {words} averaged over the ranks too" if buffers_from is None
                          else f"{words} from rank {buffers_from}")
     state = _keyed(_named(flat, signature, directory), kept, meta.get("model"), notes)
-    return Weights(state, directory, meta, ranks, notes)
+    return Weights(state, directory, meta, ranks, notes, step)
 
 
 def _buffer_words(buffers: dict) -> str:

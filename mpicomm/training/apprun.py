@@ -110,6 +110,10 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
 def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], recorded: dict) -> int:
     """Train, print the final line, and return the exit status (see the module docstring).
 
+    The final line's score is the last evaluation's. A run stopped after it (a signal, ``--stop-at-step``)
+    says which step's model that score belongs to: the stop's checkpoint keeps that model, which ``mpicomm
+    export`` writes by default.
+
     ``recorded`` goes into the run's ``start`` record: ``settings`` (what a later resume compares with) and
     ``auto`` (``--algorithm auto``'s choice, or None).
     """
@@ -128,6 +132,10 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
         return code
     key, label = headline
     if key and key in summary:
+        evaluated = summary.get("evaluated_step", summary["step"])
+        if evaluated != summary["step"]:  # stopped after its last evaluation: the score is that step's model's
+            export = f"; mpicomm export {cfg.out_dir} writes that model" if cfg.out_dir else ""
+            label = f"{label.removeprefix('final ')} of step {evaluated} (its last evaluation{export})"
         console.info(f"{label}: {100 * summary[key]:.2f} %  |  steps {summary['step']}/{summary['total_steps']}"
                      f"  |  bytes sent by rank 0: {summary['bytes_sent'] / 1e6:.2f} MB"
                      f"  |  wall {summary['wall_s']:.1f} s")

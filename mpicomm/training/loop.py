@@ -343,8 +343,11 @@ class _Run:
         """Seconds since the run began, earlier runs it resumed from included (not the time between them)."""
         return time.perf_counter() - self.t_run
 
-    def save(self, position: tuple[int, int]) -> None:
-        """Collective: commit a checkpoint of every rank at this step (a failure stops the run, agreed)."""
+    def save(self, position: tuple[int, int], stopping: bool = False) -> None:
+        """Collective: commit a checkpoint of every rank at this step (a failure stops the run, agreed).
+
+        Rank 0 adds the model the last evaluation scored when it is this step's, or, for the checkpoint of a
+        stopped run (``stopping``), whatever its step: the model the final line's score belongs to."""
         if not self.cfg.out_dir:
             return
         algo = self.algo
@@ -358,7 +361,7 @@ class _Run:
                  "counters": counters}
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()
-        if self.rank == 0 and self.evaluated.get("step") == self.step:
+        if self.rank == 0 and self.evaluated and (stopping or self.evaluated["step"] == self.step):
             state["evaluated"] = self.evaluated  # what the run scored: mpicomm export's default
         try:
             with self.guard.doing("saving a checkpoint"):
@@ -474,14 +477,12 @@ class _Run:
                 if evaluating:
                     last_eval = self._evaluate(epoch + (index + 1) / task.steps_per_epoch)
                 crossed_epoch = False
-                if saving:
-                    self.save(position)
                 stopped_by = verdict.signal
                 if stopping_here and step < total:
                     stopped_by = stopped_by or int(signal.SIGUSR1)
+                if saving or stopped_by:
+                    self.save(position, stopping=bool(stopped_by))
                 if stopped_by:
-                    if not saving:
-                        self.save(position)
                     self.metrics.write({"event": "stopped", "step": step, "signal": stopped_by})
                     where = f", checkpoint at {self.last_saved}" if cfg.out_dir else " (no --out-dir: nothing saved)"
                     self.console.info(f"stopped by {signal.Signals(stopped_by).name} at step {step}{where}")
@@ -500,7 +501,8 @@ class _Run:
         summary = {"event": "end", "step": self.step, "total_steps": total, "stopped_by_signal": stopped_by,
                    **({"loss_scale": self.precision.scale, "skipped_steps": self.precision.skipped}
                       if cfg.precision == "fp16" else {}),
-                   "wall_s": self.wall(), "train_s": self.train_s, **last_eval, **algo.comm.ledger.totals(),
+                   "wall_s": self.wall(), "train_s": self.train_s, **last_eval,
+                   **({"evaluated_step": self.evaluated["step"]} if last_eval else {}), **algo.comm.ledger.totals(),
                    **{f"net_{k}": v for k, v in clock.totals().items()}, **algo.metrics(),
                    **({"steps_by_rank": pace.by_rank} if pace is not None else {})}
         self.metrics.write(summary)
