@@ -134,8 +134,8 @@ ADAM_TYPE = ["allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lam
 
 def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
     """An Adam-type method starts at Adam's 1e-3 (Kingma & Ba's, torch.optim.Adam's), not SGD's 0.1, in both apps
-    and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) starts
-    at 0.25; ``--lr`` always wins."""
+    and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) and
+    EF-SignSGD (given none) start at 0.25; ``--lr`` always wins."""
     from .app_runs import app_module
 
     def parse(app, *argv):
@@ -145,9 +145,12 @@ def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
     assert parse("train_bert", "--lr", "0.05") == 0.05
     assert parse("train_bert", "--algorithm", "allreduce_sgd") == 0.1
     assert parse("train_resnet") == 0.1  # its default method, moniqua
-    for name in ("d2", "moniqua_d2"):  # no momentum term: the others' momentum 0.9 makes their step 10x lr
+    for name in ("d2", "moniqua_d2", "ef_signsgd"):  # no momentum: the others' momentum 0.9 makes their step 10x lr
         assert parse("train_resnet", "--algorithm", name) == 0.25, name
         assert parse("train_resnet", "--algorithm", name, "--lr", "0.1") == 0.1, name
+    resnet = app_module("train_resnet").build_parser
+    assert parse_app_args(resnet(), ["--algorithm", "ef_signsgd"]).momentum == 0.0
+    assert parse_app_args(resnet(), ["--algorithm", "ef_signsgd", "--momentum", "0.9"]).momentum == 0.9
     for name in ADAM_TYPE:
         assert parse("train_resnet", "--algorithm", name) == 1e-3, name
         assert parse("train_resnet", "--algorithm", name, "--lr", "0.05") == 0.05, name

@@ -115,6 +115,15 @@ def table(app: str, results: dict) -> str:
     return markdown_table(header, rows)
 
 
+def _stored(path: str) -> dict:
+    """The outcomes recorded so far, by app and method (empty before the first run)."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def main() -> None:
     """Parse, run every chosen (app, method), write the tables."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -128,16 +137,14 @@ def main() -> None:
         raise SystemExit(f"--methods: unknown {unknown}")
     enter_loopback_namespace()
     path = os.path.join(RUNS, "defaults", "results.json")
-    results = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            results = json.load(f)
     for app in args.apps.split(","):
         for method in methods:
-            results.setdefault(app, {})[method] = run_one(app, method, args.fresh)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            outcome = run_one(app, method, args.fresh)
+            results = _stored(path)  # read again: another sweep may have added runs meanwhile
+            results.setdefault(app, {})[method] = outcome
             with open(path, "w") as f:
                 json.dump(results, f, indent=1)
+    results = _stored(path)
     order = [*FIRST, *sorted(set(ALGORITHMS) - set(FIRST))]
     results = {app: {m: results[app][m] for m in order if m in results[app]} for app in results}
     parts = []

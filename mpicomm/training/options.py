@@ -15,8 +15,9 @@ import re
 from ..algorithms import ALGORITHMS
 from ..algorithms.registry import default_lr, lr_family
 
-__all__ = ["APP_DEFAULTS", "LR_WITHOUT_MOMENTUM", "add_algorithm_options", "add_config_options", "app_lr",
-           "config_kwargs", "field_help", "foreign_option", "key_values", "number_or_word", "settle_app_defaults"]
+__all__ = ["APP_DEFAULTS", "LR_WITHOUT_MOMENTUM", "WITHOUT_APP_MOMENTUM", "add_algorithm_options", "add_config_options",
+           "app_lr", "config_kwargs", "field_help", "foreign_option", "key_values", "number_or_word",
+           "settle_app_defaults"]
 
 
 def number_or_word(text: str):
@@ -84,23 +85,33 @@ def field_help(config_class) -> dict[str, str]:
 APP_DEFAULTS = {"momentum": 0.9}
 """Where the apps' command line differs from the library's defaults: momentum 0.9, what every recipe the
 results use trains with (the library keeps 0, plain SGD), for each algorithm whose config accepts it (and,
-see :func:`settle_app_defaults`, whose other options on the command line leave room for it). ``--lr`` is the
+see :func:`settle_app_defaults`, whose other options on the command line leave room for it; not those of
+:data:`WITHOUT_APP_MOMENTUM`). ``--lr`` is the
 library's own per-family default (:func:`~mpicomm.algorithms.registry.default_lr`), except
 :data:`LR_WITHOUT_MOMENTUM` (see :func:`app_lr`)."""
 
+WITHOUT_APP_MOMENTUM = {
+    "ef_signsgd": "its error feedback compresses the step lr g + e, and momentum applied to the compressed steps "
+                  "re-applies, for about ten more steps, corrections the feedback has already made",
+}
+"""The SGD-type methods the apps give no momentum by default (``--momentum`` 0, ``--lr`` :data:`LR_WITHOUT_MOMENTUM`),
+and why. On the ResNet app's digits (2 ranks, 120 steps) EF-SignSGD reaches 96.7 % so, against 43 % (66 steps)
+with momentum 0.9 at lr 0.1."""
+
 LR_WITHOUT_MOMENTUM = 0.25
-"""The apps' ``--lr`` for an SGD-type method whose update takes no momentum (D², Moniqua-D²). The others train
-with the apps' momentum 0.9, an effective step of lr / (1 - 0.9) = 1.0 at lr 0.1; without it, lr 0.1 is a step
-ten times smaller. Measured on the ResNet app's digits (2 ranks, 120 steps, where D² is plain SGD): D² reaches
-87.7 % at lr 0.1, 97.2 % at 0.25 and 46 % at 0.5 (its loss rises to 4.7 in the first 10 steps), against
-AllReduce-SGD's 98.3 % (``bench/training/defaults_sweep.py``)."""
+"""The apps' ``--lr`` for an SGD-type method that takes no momentum (D², Moniqua-D²: their update has no
+momentum term; :data:`WITHOUT_APP_MOMENTUM`). The others train with the apps' momentum 0.9, an effective step of
+lr / (1 - 0.9) = 1.0 at lr 0.1; without it, lr 0.1 is a step ten times smaller. Measured on the ResNet app's
+digits (2 ranks, 120 steps, where D² is plain SGD): D² reaches 87.7 % at lr 0.1, 97.2 % at 0.25 and 46 % at 0.5
+(its loss rises to 4.7 in the first 10 steps), against AllReduce-SGD's 98.3 % (``bench/training/defaults_sweep.py``)."""
 
 
 def app_lr(name: str, options: dict | None = None) -> float:
     """The apps' default ``--lr`` for algorithm ``name`` with config ``options``: the library's
     :func:`~mpicomm.algorithms.registry.default_lr`, or :data:`LR_WITHOUT_MOMENTUM` for an SGD-type method that
-    refuses the apps' momentum."""
-    if lr_family(name, options) == "sgd" and not _accepts(ALGORITHMS[name], {"momentum": APP_DEFAULTS["momentum"]}):
+    refuses the apps' momentum or is given none (:data:`WITHOUT_APP_MOMENTUM`)."""
+    if lr_family(name, options) == "sgd" and (
+            name in WITHOUT_APP_MOMENTUM or not _accepts(ALGORITHMS[name], {"momentum": APP_DEFAULTS["momentum"]})):
         return LR_WITHOUT_MOMENTUM
     return default_lr(name, options)
 
@@ -126,7 +137,7 @@ def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     cls = ALGORITHMS[name]
     first_line = _plain((cls.__doc__ or cls.config_class.__doc__ or name).strip().splitlines()[0])
     add_config_options(parser.add_argument_group(f"{name} options", first_line), cls.config_class,
-                       {"lr": app_lr(name)})
+                       {"lr": app_lr(name), **({"momentum": 0.0} if name in WITHOUT_APP_MOMENTUM else {})})
 
 
 def add_config_options(group, config_class, overrides: dict | None = None) -> None:

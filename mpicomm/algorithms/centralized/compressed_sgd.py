@@ -90,7 +90,9 @@ OVERLAP_CODECS = "identity, fp16, bf16, qsgd (a scale per bucket_size elements) 
 
 @dataclass(frozen=True)
 class CompressedSGDConfig(TwoLevelConfig):
-    """codec: a name in ``mpicomm.codecs.CODECS``; codec_options: its keyword arguments (not seed);
+    """codec: a name in ``mpicomm.codecs.CODECS``; the default, identity, compresses nothing (AllReduce-SGD's
+    step bit for bit, its gradients sent whole by allgather): name one to compress, e.g. qsgd, topk or fp16;
+    codec_options: its keyword arguments (not seed);
     error_feedback: compress alpha*g + e and keep e (EF-SGD). overlap: encode and allgather gradient
     buckets during backward (codecs whose encoding can be cut only: identity, fp16, bf16, qsgd, sign with
     scale=none). hierarchical: see TwoLevelConfig."""
