@@ -296,13 +296,10 @@ class Algorithm(abc.ABC):
         ``torch.optim.lr_scheduler`` works, and :meth:`set_lr` writes one lr into every group.
         ``state_dict()`` carries the optimizer's state; a scheduler's state is the caller's to save.
 
-        A parameter that got no gradient in an update (backward did not reach it since :meth:`zero_grad`; one
-        set by hand counts when non-zero) is not stepped: its ``.grad`` is None during ``optimizer.step()``, as
-        in torch. Centralized methods agree on it over the ranks, as DDP with ``find_unused_parameters=True``
-        (:class:`~mpicomm.algorithms.shared.user_loop.UsedParameters`): skipped if no rank used it, stepped
-        with the average (zeros from the ranks that did not) if some did. The others decide on each rank, whose
-        optimizer steps its own gradient. A parameter group added to the optimizer afterwards is refused at the
-        next step (one line).
+        A parameter without a gradient in an update is not stepped, as in torch (``.grad`` None): centralized
+        methods agree on it over the ranks as DDP does, the others decide on each rank
+        (:class:`~mpicomm.algorithms.shared.user_loop.UsedParameters`). A parameter group added afterwards is
+        refused at the next step.
 
         Raises ``ValueError`` on every rank if this algorithm's optimizer is part of the method, if the
         optimizer's parameters are not exactly the model's trainable ones, if ``lr``/``momentum``/
@@ -335,10 +332,8 @@ class Algorithm(abc.ABC):
         self.keep_hook(optimizer.register_step_pre_hook(self._refuse_outside_step))
 
     def _refuse_outside_step(self, optimizer, args, kwargs) -> None:
-        """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice. Inside,
-        the parameters that got no gradient this update are left to torch's optimizer as ``.grad = None``
-        (skipped): agreed over the ranks for a centralized method (no rank used them), this rank's for the others.
-        """
+        """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice; inside,
+        ``.grad = None`` for the parameters without a gradient (agreed over the ranks if centralized)."""
         if not self._stepping:
             raise ScriptError(f"optimizer.step() was called outside {self.name}'s step(): the algorithm steps "
                               "your optimizer itself, inside algo.step() (after communicating); remove the "
@@ -499,11 +494,8 @@ class Algorithm(abc.ABC):
 
     # ------------------------------------------------------------------ the training-loop surface
     def zero_grad(self) -> None:
-        """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate.
-
-        As torch's ``optimizer.zero_grad()``: a parameter that backward then does not reach has no gradient this
-        update, and your optimizer does not step it (:meth:`use_optimizer`).
-        """
+        """Zero the gradient buffer (call before ``backward()``); a no-op while micro-batches accumulate. As with
+        torch's ``optimizer.zero_grad()``, a parameter backward then does not reach has no gradient this update."""
         problem = dtype_problem(self.flat)  # re-attaching the gradient views would fail in torch
         if problem:
             raise ScriptError(f"{self.name}.zero_grad(): {problem}")
