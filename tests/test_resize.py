@@ -1,41 +1,56 @@
-"""Resume at another world size: each family's rule checked exactly on the reloaded state, and training goes on.
+"""Resume at another world size: every registered method's rule checked on the reloaded state, and training goes on.
 
-``tests/resize_job.py`` saves every algorithm of its list at 4 ranks, then resumes each at 2, 3 and 6, and the
-2-rank run's own checkpoint at 4, in one 6-rank ``mpiexec`` whose first N ranks form each world of N ranks in
-turn; rank 0 reports the saved and the restored states. Checked:
+``tests/resize_job.py`` saves every method at 4 ranks, then resumes each at 2, 3 and 6, and the 2-rank run's
+own checkpoint at 4, in one 6-rank ``mpiexec`` whose first N ranks form each world of N ranks in turn; rank 0
+reports every new rank's state as built at the new size and as restored. The saved states are read from the
+checkpoints with plain h5py (``tests/h5_state.py``), not through ``mpicomm.checkpoint``, and each entry is
+checked against the rule docs/checkpoints.md states, written out in ``tests/resize_expect.py``:
 
-* centralized and 1-bit / low-rank methods: parameters and optimizer state bit-identical to the saved ones;
-  error-feedback residuals summed over the new ranks equal their sum over the saved ranks; APMSqueeze's server
-  errors reassembled exactly; PowerSGD's Q carried;
-* decentralized methods: every new rank holds the average of the saved replicas (and of their momenta);
-  CHOCO's public copies are the new replica;
-* DiLoCo and Streaming DiLoCo: the global copy and the outer optimizer bit-identical, the inner models averaged,
-  the fragments in flight carried;
-* every method: the step continues and the averaged model's loss goes down over the next steps.
+* an entry identical on every saved rank is carried bit for bit (a centralized method's parameters and
+  optimizer state, PowerSGD's Q, the DiLoCo family's global copy and outer optimizer, Moniqua's agreed theta
+  bounds and guard scales, step counters);
+* every error-feedback residual (``extra.error``; the 1-bit family's worker errors over the model's d
+  elements) is the mean over the saved ranks on every new rank, so its mean over the new ranks is the saved
+  mean (relative 1e-6): what the next steps still owe the model. Keeping the sum fails this;
+* the 1-bit family's server errors: the saved chunks in rank order are the whole vector, and new rank r holds
+  chunk r of it at the new chunk size, zero-padded;
+* a decentralized method restarts from consensus: parameters, momenta and optimizer state are the saved
+  replicas' average; CHOCO's, DCD's and CPD-SGDM's public copies are the new replica; D²'s previous step and
+  PowerGossip's per-edge Q are as built at the new size;
+* the DiLoCo family's inner models and inner optimizer state are averaged; Streaming DiLoCo's fragments in
+  flight (pending, outer gradient) are saved rank 0's;
+* a per-rank generator or codec seed is old rank r's on new rank r < N and as built on the others;
+* a method that cannot resize (Moniqua on AD-PSGD) refuses in one line naming the method and the reason;
+* every method that resizes continues at the new size and the averaged model's loss goes down.
 
 The 2-rank checkpoint is the one the 2-rank job saves after training on from the 4-rank one.
 
-Plus the app: ``apps/train_resnet.py`` saved at 2 ranks and ``--resume latest`` at 3 records a ``resize`` event
-and trains on; and the rules of :mod:`mpicomm.algorithms.resize` on plain tensors (no MPI).
+Plus, without a job: a misspelled rule path fails when the method is built; the mean rule on a hand-computed
+case (2 saved ranks resumed at 1); and the app: ``apps/train_resnet.py`` saved at 2 ranks and ``--resume
+latest`` at 3 records a ``resize`` event and trains on.
 """
 
-import json
+import copy
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from mpicomm.algorithms import resize
+from mpicomm import topology
+from mpicomm.algorithms import make_algorithm, registry
+from mpicomm.algorithms.registry import ALGORITHMS
 
+from . import resize_expect as expect
+from .algo_common import make_model
 from .app_runs import RESNET, launch, mpiexec, strict_records
+from .h5_state import saved_states
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "resize_job.py")
-CENTRALIZED = {"allreduce_sgd", "ef_signsgd", "powersgd", "apmsqueeze"}
-DECENTRALIZED = {"dpsgd", "moniqua", "choco", "cpdsgdm", "adpsgd"}
-OUTER = {"diloco", "streaming_diloco"}
 PAIRS = [(4, 2), (4, 3), (4, 6), (2, 4)]
 
 
@@ -43,136 +58,116 @@ def _launch(n: int, *args) -> None:
     """``mpiexec -n n python -m mpi4py tests/resize_job.py args...``; fails the test with its output otherwise."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", JOB, *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    """The load jobs' reports by (saved size, new size): saved at 4, resumed at 2 (and saved there again after
-    training on), 3 and 6; the 2-rank checkpoint resumed at 4."""
-    root = tmp_path_factory.mktemp("resize")
-    _launch(6, root)
-    out = {}
+def job(tmp_path_factory):
+    """The job's directory and its reports by (saved size, new size): saved at 4, resumed at 2 (and saved there
+    again after training on), 3 and 6; the 2-rank checkpoint resumed at 4. One job per test session: under
+    pytest-xdist the workers share it (the first runs it, the others wait for it under a file lock)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory, above each worker's
+    root = shared / "resize_job"
+    with open(shared / "resize_job.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
+            root.mkdir()
+            _launch(6, root)
+            (root / "done").touch()
+    reports = {}
     for old, new in PAIRS:
-        with open(root / f"report{old}to{new}.json") as f:
-            out[(old, new)] = json.load(f)
-        assert out[(old, new)]["size"] == new
-    return out
+        reports[(old, new)] = torch.load(root / f"report{old}to{new}.pt")
+        assert reports[(old, new)]["size"] == new
+    return root, reports
 
 
-def _t(value) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float64)
+def test_every_method_is_in_the_job():
+    """The job resizes every registered method, and each belongs to one family of the rules."""
+    from .resize_job import ALGOS
 
-
-def _get(state: dict, path: str):
-    for key in path.split("."):
-        state = state[key]
-    return state
-
-
-def _mean(states: list, path: str) -> torch.Tensor:
-    return torch.stack([_t(_get(s, path)) for s in states]).mean(0)
-
-
-def _sum(states: list, path: str) -> torch.Tensor:
-    return torch.stack([_t(_get(s, path)) for s in states]).sum(0)
-
-
-def _momentum(state: dict) -> torch.Tensor:
-    return _t(next(iter(state["extra"]["optimizer"]["state"].values()))["momentum_buffer"])
-
-
-def _check_centralized(name: str, saved: list, restored: list) -> None:
-    for state in restored:
-        assert state["params"] == saved[0]["params"], "parameters not carried exactly"
-        assert state["extra"].get("optimizer") == saved[0]["extra"].get("optimizer"), "optimizer not carried"
-    if name in ("ef_signsgd", "powersgd"):
-        torch.testing.assert_close(_sum(restored, "extra.error"), _sum(saved, "extra.error"), rtol=1e-5, atol=1e-6)
-        first = _t(restored[0]["extra"]["error"])
-        assert all(torch.equal(_t(s["extra"]["error"]), first) for s in restored), "residual not sum / M everywhere"
-    if name == "powersgd":
-        assert all(s["extra"]["q"] == saved[0]["extra"]["q"] for s in restored), "Q not carried"
-    if name == "apmsqueeze":
-        d = len(saved[0]["params"])
-        torch.testing.assert_close(_sum(restored, "extra.worker_error")[:d], _sum(saved, "extra.worker_error")[:d],
-                                   rtol=1e-5, atol=1e-6)
-        whole = [torch.cat([_t(s["extra"]["server_error"]) for s in group])[:d] for group in (saved, restored)]
-        assert torch.equal(*whole), "server errors not reassembled exactly"
-
-
-def _check_decentralized(name: str, saved: list, restored: list) -> None:
-    average = _mean(saved, "params")
-    for state in restored:
-        torch.testing.assert_close(_t(state["params"]), average, rtol=1e-6, atol=1e-7)
-        if saved[0]["extra"]["optimizer"]["state"]:
-            torch.testing.assert_close(_momentum(state), torch.stack([_momentum(s) for s in saved]).mean(0),
-                                       rtol=1e-6, atol=1e-7)
-        if name in ("choco", "cpdsgdm"):
-            for pair in state["extra"]["gossip"]["own_and_sum"]:
-                assert all(row == state["params"] for row in pair), "public copies not the new replica"
-
-
-def _check_outer(name: str, saved: list, restored: list) -> None:
-    average = _mean(saved, "params")
-    for state in restored:
-        extra, first = state["extra"], saved[0]["extra"]
-        assert extra["global_params"] == first["global_params"], "global copy not carried exactly"
-        assert extra["outer_optimizer"] == first["outer_optimizer"], "outer optimizer not carried exactly"
-        torch.testing.assert_close(_t(state["params"]), average, rtol=1e-6, atol=1e-7)
-        if name == "streaming_diloco":
-            assert first["pending"], "no fragment in flight at the save"
-            assert extra["pending"] == first["pending"] and extra["outer_grad"] == first["outer_grad"]
-    if "error" in saved[0]["extra"]:
-        torch.testing.assert_close(_sum(restored, "extra.error"), _sum(saved, "extra.error"), rtol=1e-5, atol=1e-6)
+    assert sorted(ALGOS) == sorted(ALGORITHMS)
+    families = [expect.CENTRALIZED, expect.DECENTRALIZED, expect.OUTER]
+    assert all(sum(name in f for f in families) == 1 for name in ALGORITHMS), sorted(ALGORITHMS)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"{a}to{b}" for a, b in PAIRS])
-@pytest.mark.parametrize("name", sorted(CENTRALIZED | DECENTRALIZED | OUTER))
-def test_rule_holds_and_training_goes_on(reports, pair, name):
-    """The family's rule on the reloaded state of every new rank; then the loss goes down at the new size."""
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_rule_holds_and_training_goes_on(job, pair, name):
+    """The family's rule on the reloaded state of every new rank, against the saved states read with h5py;
+    then the loss goes down at the new size. A method that cannot resize refuses in one line."""
+    root, reports = job
     old, new = pair
     result = reports[pair]["results"][name]
-    saved, restored = result["saved"], result["restored"]
-    assert len(saved) == old and len(restored) == new
-    assert result["step"] == saved[0]["step"] and all(s["step"] == result["step"] for s in restored)
-    check = (_check_centralized if name in CENTRALIZED else
-             _check_decentralized if name in DECENTRALIZED else _check_outer)
-    check(name, saved, restored)
-    assert result["after"] < result["before"], f"loss {result['before']} -> {result['after']}"
+    if name in expect.REFUSED:
+        message = result.get("error", "")
+        assert expect.REFUSED[name] in message and "\n" not in message, f"not a one-line refusal: {result}"
+        assert len(message.partition(expect.REFUSED[name])[2]) > 20, f"no reason given: {message!r}"
+        return
+    assert "error" not in result, f"{name} {old} -> {new}: {result['error']}"
+    saved = saved_states(root / f"saved{old}" / name)
+    assert len(saved) == old and len(result["restored"]) == new
+    expect.assert_state_exists(name, saved)
+    expect.assert_family_agreement(name, saved)
+    assert result["step"] == saved[0]["step"]
+    problems = [p for rank, (fresh, restored) in enumerate(zip(result["fresh"], result["restored"]))
+                for p in expect.rank_problems(name, saved, fresh, restored, rank, new)]
+    if name in expect.RESIDUAL:
+        try:
+            expect.assert_residual_mean_kept(name, saved, result["restored"])
+        except AssertionError as exc:
+            problems.insert(0, " ".join(str(exc).split("\n")[:3]))
+    if not result["after"] < result["before"]:
+        problems.append(f"the loss went from {result['before']} to {result['after']} at the new size")
+    assert not problems, f"{name} {old} -> {new}: " + "; ".join(problems[:6]) + f" ({len(problems)} in all)"
 
 
-def _resize(values, rule, rank=0, size=3, fresh=None):
-    states = [{"params": torch.zeros(4)} for _ in values]
-    return rule(values, fresh, resize.Resize(states, {"params": torch.zeros(4)}, rank, size))
+def _one_rank(name: str, model: torch.nn.Module, **options):
+    """``name`` built alone (MPI_COMM_SELF) around ``model``."""
+    from mpi4py import MPI
+
+    from mpicomm.comm import Communicator
+
+    return make_algorithm(name, model, Communicator(MPI.COMM_SELF, topology.ring(1)), **options)
 
 
-def test_default_rule_carries_averages_or_keeps_own():
-    """Identical values carried bit for bit; differing floats averaged; other differing values old rank r's
-    (r < N) or the freshly built one."""
-    same = [torch.tensor([0.1, -0.0]), torch.tensor([0.1, -0.0])]
-    assert _resize(same, resize.agreed_or_merged) is same[0]
-    assert torch.equal(_resize([torch.tensor([1.0]), torch.tensor([2.0])], resize.agreed_or_merged),
-                       torch.tensor([1.5]))
-    gens = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
-    assert _resize(gens, resize.agreed_or_merged, rank=1) is gens[1]
-    fresh = torch.tensor([9], dtype=torch.uint8)
-    assert _resize(gens, resize.agreed_or_merged, rank=2, fresh=fresh) is fresh
+def test_misspelled_rule_path_fails_at_construction(monkeypatch):
+    """A rule whose path names no entry of the state (``extra.eror`` for ``extra.error``) would never apply:
+    building the method raises a ValueError naming the path."""
+    base = ALGORITHMS["ef_signsgd"]
+
+    class Misspelled(base):
+        """EF-SignSGD with a rule for an entry it does not have."""
+
+        def _resize_rules(self):
+            return {**super()._resize_rules(), "extra.eror": lambda *args: None}
+
+    _one_rank("ef_signsgd", make_model(0)).close()  # the method itself builds
+    monkeypatch.setitem(registry.ALGORITHMS, "ef_signsgd", Misspelled)
+    with pytest.raises(ValueError, match=r"extra\.eror"):
+        _one_rank("ef_signsgd", make_model(0))
 
 
-def test_share_of_sum_keeps_the_sum():
-    """Residuals of 2 ranks re-split over 3: each gets the sum / 3."""
-    out = _resize([torch.tensor([3.0, 0.0]), torch.tensor([0.0, 6.0])], resize.share_of_sum,
-                  fresh=torch.zeros(2))
-    assert torch.equal(out, torch.tensor([1.0, 2.0]))
-
-
-def test_onebit_server_errors_follow_the_new_chunks():
-    """Old owners' chunks (2 of 2) reassembled and cut into 3 chunks of the new padded length."""
-    saved = [torch.arange(0.0, 2.0), torch.arange(2.0, 4.0)]
-    pieces = [resize.onebit_server_errors(saved, torch.zeros(2), resize.Resize(
-        [{}, {}], {"params": torch.zeros(4)}, r, 3)) for r in range(3)]
-    assert torch.equal(torch.cat(pieces), torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 0.0]))
+def test_residual_mean_on_a_hand_computed_case():
+    """Two saved ranks with residuals (3, 0, 3) and (0, 6, -1) resumed at 1: the new rank's residual is their mean
+    (1.5, 3, 1), not the sum (3, 6, 2) kept; the agreed parameters are carried."""
+    algo = _one_rank("ef_signsgd", torch.nn.Linear(2, 1))
+    try:
+        base = algo.state_dict()
+        assert base["extra"]["error"].shape == (3,)
+        saved = []
+        for error in ([3.0, 0.0, 3.0], [0.0, 6.0, -1.0]):
+            state = copy.deepcopy(base)
+            state["extra"]["error"] = torch.tensor(error)
+            saved.append(state)
+        new = algo.reshard_state(saved)
+    finally:
+        algo.close()
+    assert torch.equal(new["extra"]["error"], torch.tensor([1.5, 3.0, 1.0]))
+    assert torch.equal(new["params"], base["params"])
 
 
 def test_app_resumes_at_another_size(tmp_path):
