@@ -151,6 +151,8 @@ def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
     resnet = app_module("train_resnet").build_parser
     assert parse_app_args(resnet(), ["--algorithm", "ef_signsgd"]).momentum == 0.0
     assert parse_app_args(resnet(), ["--algorithm", "ef_signsgd", "--momentum", "0.9"]).momentum == 0.9
+    assert parse_app_args(resnet(), ["--algorithm", "powersgd"]).rank == 4  # rank 1 reaches 69.6 % in 120 steps
+    assert parse_app_args(resnet(), ["--algorithm", "powersgd", "--rank", "1"]).rank == 1
     for name in ADAM_TYPE:
         assert parse("train_resnet", "--algorithm", name) == 1e-3, name
         assert parse("train_resnet", "--algorithm", name, "--lr", "0.05") == 0.05, name

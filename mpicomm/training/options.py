@@ -15,7 +15,7 @@ import re
 from ..algorithms import ALGORITHMS
 from ..algorithms.registry import default_lr, lr_family
 
-__all__ = ["APP_DEFAULTS", "LR_WITHOUT_MOMENTUM", "WITHOUT_APP_MOMENTUM", "add_algorithm_options", "add_config_options",
+__all__ = ["APP_DEFAULTS", "APP_OPTIONS", "LR_WITHOUT_MOMENTUM", "add_algorithm_options", "add_config_options",
            "app_lr", "config_kwargs", "field_help", "foreign_option", "key_values", "number_or_word",
            "settle_app_defaults"]
 
@@ -85,22 +85,28 @@ def field_help(config_class) -> dict[str, str]:
 APP_DEFAULTS = {"momentum": 0.9}
 """Where the apps' command line differs from the library's defaults: momentum 0.9, what every recipe the
 results use trains with (the library keeps 0, plain SGD), for each algorithm whose config accepts it (and,
-see :func:`settle_app_defaults`, whose other options on the command line leave room for it; not those of
-:data:`WITHOUT_APP_MOMENTUM`). ``--lr`` is the
-library's own per-family default (:func:`~mpicomm.algorithms.registry.default_lr`), except
-:data:`LR_WITHOUT_MOMENTUM` (see :func:`app_lr`)."""
+see :func:`settle_app_defaults`, whose other options on the command line leave room for it), unless
+:data:`APP_OPTIONS` says otherwise. ``--lr`` is the library's own per-family default
+(:func:`~mpicomm.algorithms.registry.default_lr`), except :data:`LR_WITHOUT_MOMENTUM` (see :func:`app_lr`)."""
 
-WITHOUT_APP_MOMENTUM = {
-    "ef_signsgd": "its error feedback compresses the step lr g + e, and momentum applied to the compressed steps "
-                  "re-applies, for about ten more steps, corrections the feedback has already made",
+APP_OPTIONS = {
+    "ef_signsgd": {"momentum": 0.0},
+    "powersgd": {"rank": 4},
 }
-"""The SGD-type methods the apps give no momentum by default (``--momentum`` 0, ``--lr`` :data:`LR_WITHOUT_MOMENTUM`),
-and why. On the ResNet app's digits (2 ranks, 120 steps) EF-SignSGD reaches 96.7 % so, against 43 % (66 steps)
-with momentum 0.9 at lr 0.1."""
+"""Per method, the apps' defaults that differ from the library's (beyond :data:`APP_DEFAULTS`), measured on the
+ResNet app's digits (2 ranks, 120 steps; AllReduce-SGD 98.3 %; ``bench/training/defaults_sweep.py``):
+
+* ``ef_signsgd``: no momentum (and ``--lr`` :data:`LR_WITHOUT_MOMENTUM`): its error feedback compresses the step
+  lr g + e, and momentum on the compressed steps re-applies, for about ten more steps, corrections the feedback
+  has already made: 96.7 % without, 43 % with momentum 0.9 at lr 0.1 (66 steps).
+* ``powersgd``: rank 4 (the library keeps torch's ``powerSGD_hook`` default, 1, which torch pairs with 1,000
+  steps of plain allreduce first): rank 1 reaches 69.6 %, rank 2 86.9 %, rank 4 97.2 %, at 1/35, 1/19 and 1/10
+  of AllReduce-SGD's bytes.
+"""
 
 LR_WITHOUT_MOMENTUM = 0.25
 """The apps' ``--lr`` for an SGD-type method that takes no momentum (D², Moniqua-D²: their update has no
-momentum term; :data:`WITHOUT_APP_MOMENTUM`). The others train with the apps' momentum 0.9, an effective step of
+momentum term; EF-SignSGD: :data:`APP_OPTIONS`). The others train with the apps' momentum 0.9, an effective step of
 lr / (1 - 0.9) = 1.0 at lr 0.1; without it, lr 0.1 is a step ten times smaller. Measured on the ResNet app's
 digits (2 ranks, 120 steps, where D² is plain SGD): D² reaches 87.7 % at lr 0.1, 97.2 % at 0.25 and 46 % at 0.5
 (its loss rises to 4.7 in the first 10 steps), against AllReduce-SGD's 98.3 % (``bench/training/defaults_sweep.py``)."""
@@ -109,9 +115,9 @@ digits (2 ranks, 120 steps, where D² is plain SGD): D² reaches 87.7 % at lr 0.
 def app_lr(name: str, options: dict | None = None) -> float:
     """The apps' default ``--lr`` for algorithm ``name`` with config ``options``: the library's
     :func:`~mpicomm.algorithms.registry.default_lr`, or :data:`LR_WITHOUT_MOMENTUM` for an SGD-type method that
-    refuses the apps' momentum or is given none (:data:`WITHOUT_APP_MOMENTUM`)."""
-    if lr_family(name, options) == "sgd" and (
-            name in WITHOUT_APP_MOMENTUM or not _accepts(ALGORITHMS[name], {"momentum": APP_DEFAULTS["momentum"]})):
+    refuses the apps' momentum or is given none (:data:`APP_OPTIONS`)."""
+    if lr_family(name, options) == "sgd" and (APP_OPTIONS.get(name, {}).get("momentum") == 0.0 or not _accepts(
+            ALGORITHMS[name], {"momentum": APP_DEFAULTS["momentum"]})):
         return LR_WITHOUT_MOMENTUM
     return default_lr(name, options)
 
@@ -137,7 +143,7 @@ def add_algorithm_options(parser: argparse.ArgumentParser, name: str) -> None:
     cls = ALGORITHMS[name]
     first_line = _plain((cls.__doc__ or cls.config_class.__doc__ or name).strip().splitlines()[0])
     add_config_options(parser.add_argument_group(f"{name} options", first_line), cls.config_class,
-                       {"lr": app_lr(name), **({"momentum": 0.0} if name in WITHOUT_APP_MOMENTUM else {})})
+                       {"lr": app_lr(name), **APP_OPTIONS.get(name, {})})
 
 
 def add_config_options(group, config_class, overrides: dict | None = None) -> None:
