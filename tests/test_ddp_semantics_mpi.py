@@ -72,12 +72,22 @@ def _plain_torch(n: int, build, uses) -> tuple[dict, torch.Tensor]:
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_a_parameter_no_rank_used_is_not_stepped_as_in_plain_torch(comm, schedule, optimizer):
+    _check_against_plain_torch(comm, schedule, optimizer)
+
+
+def test_with_gradient_buckets_in_flight_as_well(comm):
+    """Bucketed allreduce during backward (a bucket per layer): the agreement comes after the last bucket."""
+    _check_against_plain_torch(comm, "rank 0 every third step", "sgd", overlap=True, bucket_numel=8,
+                               first_bucket_numel=8)
+
+
+def _check_against_plain_torch(comm, schedule: str, optimizer: str, **options) -> None:
     def body():
         rank, n = comm.Get_rank(), comm.Get_size()
         uses, build = SCHEDULES[schedule], OPTIMIZERS[optimizer]
         net = _net()
         torch_optimizer = build(net.parameters())
-        algo = mpicomm.wrap(net, torch_optimizer, "allreduce_sgd")
+        algo = mpicomm.wrap(net, torch_optimizer, "allreduce_sgd", **options)
         aux_after_use = _flat(net, "aux")
         for step in range(STEPS):
             if optimizer == "adamw":
