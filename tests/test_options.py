@@ -129,12 +129,12 @@ def test_the_app_momentum_gives_way_to_an_inner_adamw_unless_typed():
     assert parse("--inner-optimizer", "adamw", "--momentum=0.5").momentum == 0.5
 
 
-ADAM_TYPE = ["allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb"]
+ADAM_TYPE = ["allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb", "signsgd"]  # steps of ~lr each
 
 
 def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
-    """An Adam-type method starts at Adam's 1e-3 (Kingma & Ba's, torch.optim.Adam's), not SGD's 0.1, in both apps
-    and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) and
+    """An Adam- or sign-type method starts at Adam's 1e-3 (Kingma & Ba's, torch.optim.Adam's), not SGD's 0.1, in
+    both apps and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) and
     EF-SignSGD (given none) start at 0.25; ``--lr`` always wins."""
     from .app_runs import app_module
 
