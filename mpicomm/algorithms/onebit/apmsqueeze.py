@@ -9,7 +9,11 @@ step T_w + 1 on, v is frozen and, on rank i::
 
     m_i   = b1 m + (1 - b1) g_i                     # m: the shared momentum of the last step
     m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average
-    x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = sqrt(v_Tw) / sqrt(1 - b2^T_w) + eps
+    x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = max(sqrt(v_Tw) / sqrt(1 - b2^T_w), F) + eps
+
+F = denominator_floor (default 0.01) times the mean of that denominator over the model: a coordinate the
+warm-up barely saw (v ~ 0) moves by about lr / denominator_floor, not lr * scale / eps
+(:mod:`~mpicomm.algorithms.onebit.floor`); 0 is the published method.
 
 ``hierarchical`` (auto: on over several nodes of several ranks): the warm-up's sum in two exact levels (as
 AllReduce-Adam) and the 1-bit average between nodes of each node's exact mean, per local rank's shard
@@ -37,6 +41,7 @@ from ..resize import ONEBIT_RULES
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
+from .floor import DenominatorFloorConfig, raise_to_floor
 from .pipelined import PipelinedOneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
@@ -52,8 +57,9 @@ def _check_count(name: str, value) -> None:
 
 
 @dataclass(frozen=True)
-class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig):
-    """Adam options plus the warm-up, which must leave at least one compression step, hierarchical and overlap.
+class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig, DenominatorFloorConfig):
+    """Adam options plus the warm-up, which must leave at least one compression step, hierarchical, overlap
+    and the denominator's floor.
 
     warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
     a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
@@ -187,7 +193,8 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         return self.adam_state()["exp_avg_sq"]
 
     def _freeze(self) -> None:
-        """vhat = sqrt(v) / sqrt(1 - b2^T_w) + eps (deepspeed: sqrt(v) + eps), once, in v's own buffer.
+        """vhat = max(sqrt(v) / sqrt(1 - b2^T_w), F) + eps (deepspeed: max(sqrt(v), F) + eps; F the floor),
+        once, in v's own buffer.
 
         v is never read again after the switch, so it becomes vhat in place instead of a model-sized copy
         (a checkpoint of the compression phase holds vhat there, and ``frozen`` in its extra state says so).
@@ -197,6 +204,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         denom = state["exp_avg_sq"].sqrt_()
         if not self.deepspeed:
             denom.div_((1 - self.config.beta2**t_w) ** 0.5)
+        raise_to_floor(denom, self.config.denominator_floor)
         denom.add_(self.config.eps)
         self._frozen = True
 

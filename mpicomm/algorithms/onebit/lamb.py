@@ -9,8 +9,13 @@ then v is frozen and, on rank i (the error-compensated 1-bit average of :mod:`.a
     s_l = mean_k(rms(m_k)) / rms(m_l)          once, at the first compression step
     m   <- OneBitAverage((b1 m + (1 - b1) g_i) * s) / s
     g~  = (m - b1 m_prev) / (1 - b1);   v_fresh <- b2 v_fresh + (1 - b2) g~^2
-    f_l = max_j (sqrt(v_l) + eps)_j / (sqrt(v_fresh_l) + eps)_j, clipped and rate-limited
-    x_l <- x_l - lr rbar_l f_l (m_l / (sqrt(v_l) + eps) + wd x_l)
+    f_l = max_j (max(sqrt(v_l), F) + eps)_j / (max(sqrt(v_fresh_l), F) + eps)_j, clipped and rate-limited
+    x_l <- x_l - lr rbar_l f_l (m_l / (max(sqrt(v_l), F) + eps) + wd x_l)
+
+F = denominator_floor (default 0.01) times the mean of the frozen sqrt(v) over the model: a coordinate the
+warm-up barely saw (v ~ 0), whose 1-bit momentum is never zero, moves by about lr rbar_l f_l / denominator_floor
+and not by that times scale / eps; floored in both denominators, it cannot raise f_l
+(:mod:`~mpicomm.algorithms.onebit.floor`). 0 is the published method.
 
 Per step: one fp32 allreduce while warming up, then one 1-bit average. ``hierarchical`` (auto: on over
 several nodes of several ranks): the allreduce in two exact levels, the 1-bit average between nodes of each
@@ -28,13 +33,15 @@ from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
 from ..resize import ONEBIT_RULES, replica_mean
 from .average import check_float32, onebit_average_for
+from .floor import DenominatorFloorConfig, raise_to_floor
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
 
 
 @dataclass(frozen=True)
-class OneBitLAMBConfig(LAMBTwoLevelConfig):
-    """LAMB options plus the warm-up length and the factor clip of the compression stage, and hierarchical.
+class OneBitLAMBConfig(LAMBTwoLevelConfig, DenominatorFloorConfig):
+    """LAMB options plus the warm-up length, the factor clip of the compression stage, hierarchical and the
+    denominator's floor.
 
     freeze_step: LAMB steps before the variance freezes and compression starts, >= 1. factor_min: the
     smallest scaling factor f_l of the frozen ratio. factor_max: the largest, >= factor_min.
@@ -103,9 +110,10 @@ class OneBitLAMB(LAMB):
         torch.div(self.onebit.average(), self.scaling, out=self.m)
         g = torch.sub(self.m, self.m_prev, alpha=cfg.beta1, out=grad).div_(1 - cfg.beta1)   # reconstructed g
         self.v_fresh.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-        torch.sqrt(self.v, out=self._denom).add_(cfg.eps)
+        floor = raise_to_floor(torch.sqrt(self.v, out=self._denom), cfg.denominator_floor)
+        self._denom.add_(cfg.eps)
         prelim = torch.div(self.m, self._denom, out=self._update)
-        fresh = torch.sqrt(self.v_fresh, out=grad).add_(cfg.eps)                # g is no longer needed
+        fresh = torch.sqrt(self.v_fresh, out=grad).clamp_(min=floor).add_(cfg.eps)   # g is no longer needed
         for k, (lo, hi) in enumerate(self.layers):
             factor = float((self._denom[lo:hi] / fresh[lo:hi]).max())
             update = prelim[lo:hi]

@@ -9,9 +9,14 @@ Step t on rank i (Avg the error-compensated 1-bit average of :mod:`.average`; th
     phase 1, t <= var_freeze_step: one shared x, m, v
       variance step (t mod I_v == 0):  g = allreduce mean of g_i;  v <- b2 v + (1 - b2) g^2
       otherwise:                        g = Avg(g_i)
-      m <- b1 m + (1 - b1) g;   x <- x (1 - lr wd) - lr m / (sqrt(v) + eps)      (I_v doubles, T_v)
+      m <- b1 m + (1 - b1) g;   x <- x (1 - lr wd) - lr m / denom      (I_v doubles, T_v)
     phase 2: v frozen; local steps x_i <- x_i (1 - lr wd) - lr m_i / denom, u_i <- u_i + lr m_i
       sync step (t mod I_u == 0):  ubar = Avg(u_i);  m <- ubar / sum(lr);  x <- c x_s - ubar / denom
+
+denom = max(sqrt(v), F) + eps, set on each variance step: F = denominator_floor (default 0.01) times the mean
+of sqrt(v) over the model, so that a coordinate no variance step has seen (v = 0), whose 1-bit momentum is
+never zero, moves by about lr / denominator_floor and not lr * scale / eps
+(:mod:`~mpicomm.algorithms.onebit.floor`); 0 is the published method.
 
 ``hierarchical`` (auto: on over several nodes of several ranks): the exact means in two levels, the 1-bit
 averages between nodes of each node's exact mean per local rank's shard
@@ -32,6 +37,7 @@ from ..centralized.adam import AdamConfig
 from ..resize import ONEBIT_RULES, replica_mean
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import check_float32, onebit_average_for
+from .floor import DenominatorFloorConfig, raise_to_floor
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -39,8 +45,8 @@ KINDS = ("variance", "compressed", "local", "sync")
 
 
 @dataclass(frozen=True)
-class ZeroOneAdamConfig(HierarchicalConfig, AdamConfig):
-    """Adam options plus the schedules (DeepSpeed's names and defaults), and hierarchical.
+class ZeroOneAdamConfig(HierarchicalConfig, AdamConfig, DenominatorFloorConfig):
+    """Adam options plus the schedules (DeepSpeed's names and defaults), hierarchical and the denominator's floor.
 
     var_freeze_step: steps with variance updates before v is frozen and local steps begin. var_update_scaler:
     variance steps after which their interval doubles (kappa). local_step_scaler: steps after which the
@@ -110,11 +116,11 @@ class ZeroOneAdam(Algorithm):
                 mean_over_ranks(grad, self.comm, self.two_level)
                 self.m.lerp_(grad, 1 - cfg.beta1)
                 self.v.mul_(cfg.beta2).addcmul_(grad, grad, value=1 - cfg.beta2)
+                self._set_denominator()
             else:
                 self.m.lerp_(self._average(grad), 1 - cfg.beta1)
             if cfg.weight_decay:
                 x.mul_(1 - self.lr * cfg.weight_decay)
-            torch.sqrt(self.v, out=self._denom).add_(cfg.eps)
             x.addcdiv_(self.m, self._denom, value=-self.lr)
             if kind == "variance":
                 s["var_counter"] += 1
@@ -141,9 +147,13 @@ class ZeroOneAdam(Algorithm):
         if s["local_counter"] == cfg.local_step_scaler:
             s["local_counter"], s["local_interval"] = 0, min(cfg.local_step_clipper, 2 * s["local_interval"])
 
+    def _set_denominator(self) -> None:
+        """denom = max(sqrt(v), F) + eps, F the floor: after each change of v (only variance steps change it)."""
+        raise_to_floor(torch.sqrt(self.v, out=self._denom), self.config.denominator_floor)
+        self._denom.add_(self.config.eps)
+
     def _start_local_phase(self) -> None:
-        """Freeze denom = sqrt(v) + eps, remember x_s = x, clear both error buffers."""
-        torch.sqrt(self.v, out=self._denom).add_(self.config.eps)
+        """Freeze denom (that of the last variance step), remember x_s = x, clear both error buffers."""
         self.synced.copy_(self.flat.data)
         self.onebit.worker_error.zero_()
         self.onebit.server_error.zero_()
