@@ -128,6 +128,31 @@ def test_decentralized_ranks_decide_on_their_own_gradient(comm):
     run_all(comm, body)
 
 
+def test_gradients_set_by_hand_are_stepped_as_torch_steps_them(comm):
+    """``p.grad = tensor`` (zeros included) is stepped, as torch steps it; a parameter left without one is not."""
+    def hand_set(net, step: int) -> None:
+        net["body"].weight.grad = torch.full_like(net["body"].weight, 0.1 * (step + 1))
+        net["head"].weight.grad = torch.zeros_like(net["head"].weight)  # zero, but a gradient: torch steps it
+
+    def body():
+        net, reference = _net(), _net()
+        torch_optimizer = OPTIMIZERS["sgd"](net.parameters())
+        algo = mpicomm.wrap(net, torch_optimizer, "allreduce_sgd")
+        reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+        for step in range(3):
+            torch_optimizer.zero_grad()
+            hand_set(net, step)
+            algo.step()
+            reference_optimizer.zero_grad()
+            hand_set(reference, step)
+            reference_optimizer.step()
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(net.get_parameter(name), param, rtol=1e-6, atol=0, msg=name)
+        assert not torch.equal(net["head"].weight, _net()["head"].weight), "a zero gradient set by hand was skipped"
+
+    run_all(comm, body)
+
+
 def _raises_everywhere(comm, kind, pattern: str, body) -> None:
     """``body()`` must raise ``kind`` matching ``pattern`` on every rank (an agreed error, or a ScriptError)."""
     with pytest.raises(kind, match=pattern) as caught:

@@ -532,9 +532,9 @@ class Algorithm(abc.ABC):
         problem = sparse_problem(self.flat)
         if problem:
             raise ScriptError(f"{self.name}.step(): {problem}")
-        grad = self.flat.gather_grads()
         if self.user_optimizer:
             self.used.close()
+        grad = self.flat.gather_grads()
         self._prepare(grad)
         self._stepping = True
         try:

@@ -22,9 +22,9 @@ class UsedParameters:
     """Which trainable parameters got a gradient in this update, and ``.grad = None`` for those that did not.
 
     A ``register_post_accumulate_grad_hook`` on each parameter marks it when backward accumulates its
-    gradient (any micro-batch of the update); a gradient set by hand (not by backward) counts when it is
-    non-zero. The marks are cleared by ``algo.zero_grad()`` (outside an accumulation) and at each update.
-    ``algo`` keeps the hooks (removed when it is retired).
+    gradient (any micro-batch of the update). A gradient set by hand counts too, as torch steps it: a tensor
+    assigned to ``p.grad``, or non-zero values written into it. The marks are cleared by ``algo.zero_grad()``
+    (outside an accumulation) and at each update. ``algo`` keeps the hooks (removed when it is retired).
     """
 
     def __init__(self, algo):
@@ -42,11 +42,14 @@ class UsedParameters:
         self.marked = [False] * len(self.marked)
 
     def close(self) -> None:
-        """At the update, before the gradient is exchanged: this rank's map, from the marks and the local
-        gradients (read now: a centralized step overwrites them with the average)."""
-        grad = self.flat.grad
-        used = [m or bool(grad[layer.offset:layer.offset + layer.numel].any())
-                for m, layer in zip(self.marked, self.flat.layers)]
+        """At the update, before the gradients are gathered into the flat buffer: this rank's map, from the
+        marks and the ``.grad`` each parameter holds (read now: a centralized step averages them)."""
+        used = []
+        for marked, param, layer in zip(self.marked, self.flat.params, self.flat.layers):
+            if not marked and param.grad is not None:
+                view = self.flat.grad[layer.offset:layer.offset + layer.numel]
+                marked = param.grad.data_ptr() != view.data_ptr() or bool(view.any())
+            used.append(marked)
         self.local = torch.tensor(used, dtype=torch.uint8)
         self.reset()
 
