@@ -129,13 +129,14 @@ def test_the_app_momentum_gives_way_to_an_inner_adamw_unless_typed():
     assert parse("--inner-optimizer", "adamw", "--momentum=0.5").momentum == 0.5
 
 
-ADAM_TYPE = ["allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb", "signsgd"]  # steps of ~lr each
+ADAM_TYPE = ["allreduce_adam", "apmsqueeze", "zeroone_adam", "signsgd"]  # steps of about lr per coordinate
+LAMB_TYPE = ["lamb", "onebit_lamb"]  # steps of lr times each layer's norm
 
 
 def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
     """An Adam- or sign-type method starts at Adam's 1e-3 (Kingma & Ba's, torch.optim.Adam's), not SGD's 0.1, in
-    both apps and whatever the other options; an inner AdamW makes a local-update method Adam-type; D² (no momentum) and
-    EF-SignSGD (given none) start at 0.25; ``--lr`` always wins."""
+    both apps and whatever the other options, LAMB at 1e-2; an inner AdamW makes a local-update method Adam-type;
+    D² (no momentum) and EF-SignSGD (given none) start at 0.25; ``--lr`` always wins."""
     from .app_runs import app_module
 
     def parse(app, *argv):
@@ -153,6 +154,9 @@ def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
     assert parse_app_args(resnet(), ["--algorithm", "ef_signsgd", "--momentum", "0.9"]).momentum == 0.9
     assert parse_app_args(resnet(), ["--algorithm", "powersgd"]).rank == 4  # rank 1 reaches 69.6 % in 120 steps
     assert parse_app_args(resnet(), ["--algorithm", "powersgd", "--rank", "1"]).rank == 1
+    for name in LAMB_TYPE:
+        assert parse("train_resnet", "--algorithm", name) == 1e-2, name
+        assert parse("train_resnet", "--algorithm", name, "--lr", "0.05") == 0.05, name
     for name in ADAM_TYPE:
         assert parse("train_resnet", "--algorithm", name) == 1e-3, name
         assert parse("train_resnet", "--algorithm", name, "--lr", "0.05") == 0.05, name
@@ -165,8 +169,8 @@ def test_the_default_lr_is_the_family_s_in_both_apps_and_a_typed_lr_wins():
 
 def test_the_library_s_adam_default_is_torch_s():
     """Built without an lr, AllReduce-Adam takes the step torch.optim.AdamW takes at its own default lr (1e-3);
-    its config and every Adam-type method built by name say 1e-3 (their configs once inherited SGD's 0.1
-    through a base listed before Adam's); an explicit lr wins."""
+    its config and every Adam-type method built by name say 1e-3, LAMB's 1e-2 (their configs once inherited SGD's
+    0.1 through a base listed before theirs); an explicit lr wins."""
     import torch
     from mpi4py import MPI
 
@@ -181,7 +185,7 @@ def test_the_library_s_adam_default_is_torch_s():
         return torch.nn.Linear(4, 2)
 
     comm = Communicator(MPI.COMM_SELF, topology.ring(1))
-    assert AllReduceAdamConfig().lr == 1e-3 and LAMBTwoLevelConfig().lr == 1e-3
+    assert AllReduceAdamConfig().lr == 1e-3 and LAMBTwoLevelConfig().lr == 1e-2
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     ours, theirs = model(), model()
     algo = AllReduceAdam(ours, comm)
@@ -195,9 +199,9 @@ def test_the_library_s_adam_default_is_torch_s():
         reference.step()
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b)
-    for name in ADAM_TYPE:
+    for name in ADAM_TYPE + LAMB_TYPE:
         extra = {"warmup_steps": 1} if name == "apmsqueeze" else {}
-        assert make_algorithm(name, model(), comm, **extra).lr == 1e-3, name
+        assert make_algorithm(name, model(), comm, **extra).lr == (1e-2 if name in LAMB_TYPE else 1e-3), name
         assert make_algorithm(name, model(), comm, lr=0.02, **extra).lr == 0.02, name
     assert make_algorithm("allreduce_sgd", model(), comm).lr == 0.1
     assert make_algorithm("diloco", model(), comm, inner_optimizer="adamw").lr == 1e-3

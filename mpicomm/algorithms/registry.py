@@ -57,17 +57,20 @@ for _cls in (
 ):
     register(_cls)
 
-DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adam": 1e-3, "sign": 1e-3}
+DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adam": 1e-3, "lamb": 1e-2, "sign": 1e-3}
 """The step size each family of methods starts from when no ``lr`` is given. ``sgd``: every method whose step is
 SGD's, ``-lr`` times a gradient or an averaged, decoded or mixed one (0.1, the results' momentum-SGD recipes);
-``adam``: the methods whose step is Adam's or LAMB's, scaled by the second moment (1e-3, Kingma & Ba's, the
-1-bit Adam and LAMB papers' and DeepSpeed's), and the local-update methods with ``inner_optimizer="adamw"``;
-``sign``: SignSGD, whose majority vote moves every coordinate by lr whatever the gradient's size, as Adam's step
-does (1e-3). An Adam- or sign-type step taken at SGD's 0.1 moves every coordinate by about 0.1 per step: the
-BERT app's APMSqueeze reached a validation loss of 2.78e4 and then NaN, SignSGD 159 (1e-3: 6.3 and 5.5)."""
+``adam``: the methods whose step is Adam's, scaled by the second moment (1e-3, Kingma & Ba's, the 1-bit Adam
+papers' and DeepSpeed's), and the local-update methods with ``inner_optimizer="adamw"``; ``lamb``: LAMB and 1-bit
+LAMB, whose trust ratio makes lr the relative change of each layer per step (1e-2: at 1e-3 LAMB reached 50.1 % on
+the ResNet app's digits in 120 steps and a BERT validation loss of 8.07, a uniform guess's 8.29; at 1e-2 98.9 %
+and 5.81); ``sign``: SignSGD, whose majority vote moves every coordinate by lr whatever the gradient's size, as
+Adam's step does (1e-3). An Adam- or sign-type step taken at SGD's 0.1 moves every coordinate by about 0.1 per
+step: the BERT app's APMSqueeze reached a validation loss of 2.78e4 and then NaN, SignSGD 159 (1e-3: 6.3 and
+5.5)."""
 
-FAMILIES = {"adam": frozenset({"allreduce_adam", "lamb", "apmsqueeze", "zeroone_adam", "onebit_lamb"}),
-            "sign": frozenset({"signsgd"})}
+FAMILIES = {"adam": frozenset({"allreduce_adam", "apmsqueeze", "zeroone_adam"}),
+            "lamb": frozenset({"lamb", "onebit_lamb"}), "sign": frozenset({"signsgd"})}
 """The registered methods of each family but ``sgd`` (every other one registered here is ``sgd``)."""
 
 _BUILT_IN = frozenset(ALGORITHMS)

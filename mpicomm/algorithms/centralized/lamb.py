@@ -34,12 +34,14 @@ __all__ = ["LAMB", "LAMBConfig", "LAMBTwoLevelConfig"]
 
 @dataclass(frozen=True)
 class LAMBConfig(AdamConfig):
-    """Adam options plus the trust ratio's clip and average.
+    """Adam options plus the trust ratio's clip and average; ``lr`` defaults to 1e-2 (the trust ratio makes it
+    the relative change of each layer per step).
 
     min_coeff: the smallest trust ratio r_l, > 0. max_coeff: the largest, >= min_coeff. coeff_beta: decay of
     the running average rbar_l of r_l, in [0, 1).
     """
 
+    lr: float = 1e-2
     max_coeff: float = 10.0
     min_coeff: float = 0.01
     coeff_beta: float = 0.9
@@ -54,7 +56,7 @@ class LAMBConfig(AdamConfig):
 @dataclass(frozen=True)
 class LAMBTwoLevelConfig(LAMBConfig, HierarchicalConfig):
     """LAMB options: Adam's, the trust ratio's and hierarchical (LAMBConfig first, so that its ``lr`` default
-    is Adam's: see AllReduceAdamConfig)."""
+    is LAMB's: see AllReduceAdamConfig)."""
 
 
 class LAMB(Algorithm):
