@@ -13,10 +13,12 @@ Step t on rank i (Avg the error-compensated 1-bit average of :mod:`.average`; th
     phase 2: v frozen; local steps x_i <- x_i (1 - lr wd) - lr m_i / denom, u_i <- u_i + lr m_i
       sync step (t mod I_u == 0):  ubar = Avg(u_i);  m <- ubar / sum(lr);  x <- c x_s - ubar / denom
 
-denom = max(sqrt(v), F) + eps, set on each variance step: F = denominator_floor (default 0.01) times the mean
-of sqrt(v) over the model, so that a coordinate no variance step has seen (v = 0), whose 1-bit momentum is
-never zero, moves by about lr / denominator_floor and not lr * scale / eps
-(:mod:`~mpicomm.algorithms.onebit.floor`); 0 is the published method.
+denom = max(sqrt(v), F) + eps, set when v changes: F = denominator_floor (default 0.01) times the mean of
+sqrt(v) over the model, so that a coordinate no variance step has seen (v = 0), whose 1-bit momentum is never
+zero, moves by about lr / denominator_floor and not lr * scale / eps
+(:mod:`~mpicomm.algorithms.onebit.floor`). F is 0 until a 1-bit average first feeds m (the first compressed
+step, or phase 2; never with ``compression=False``): until then m is Adam's own and the step the published
+one. ``denominator_floor=0`` is the published method throughout.
 
 ``hierarchical`` (auto: on over several nodes of several ranks): the exact means in two levels, the 1-bit
 averages between nodes of each node's exact mean per local rank's shard
@@ -119,6 +121,8 @@ class ZeroOneAdam(Algorithm):
                 self._set_denominator()
             else:
                 self.m.lerp_(self._average(grad), 1 - cfg.beta1)
+                if self.counts["compressed"] == 1:
+                    self._set_denominator()      # the floor applies from now on
             if cfg.weight_decay:
                 x.mul_(1 - self.lr * cfg.weight_decay)
             x.addcdiv_(self.m, self._denom, value=-self.lr)
@@ -148,12 +152,18 @@ class ZeroOneAdam(Algorithm):
             s["local_counter"], s["local_interval"] = 0, min(cfg.local_step_clipper, 2 * s["local_interval"])
 
     def _set_denominator(self) -> None:
-        """denom = max(sqrt(v), F) + eps, F the floor: after each change of v (only variance steps change it)."""
-        raise_to_floor(torch.sqrt(self.v, out=self._denom), self.config.denominator_floor)
-        self._denom.add_(self.config.eps)
+        """denom = max(sqrt(v), F) + eps: after each change of v (only variance steps change it) and when the
+        floor F starts to apply (once a 1-bit average has fed m; before, F = 0)."""
+        cfg, counts = self.config, self.counts
+        onebit = cfg.compression and (counts["compressed"] or counts["local"] or counts["sync"]
+                                      or self.step_count + 1 >= cfg.var_freeze_step)
+        raise_to_floor(torch.sqrt(self.v, out=self._denom), cfg.denominator_floor if onebit else 0.0)
+        self._denom.add_(cfg.eps)
 
     def _start_local_phase(self) -> None:
-        """Freeze denom (that of the last variance step), remember x_s = x, clear both error buffers."""
+        """Freeze denom (with the floor: phase 2's m comes from 1-bit averages), remember x_s = x, clear both
+        error buffers."""
+        self._set_denominator()
         self.synced.copy_(self.flat.data)
         self.onebit.worker_error.zero_()
         self.onebit.server_error.zero_()
