@@ -33,7 +33,7 @@ latest`` at 3 records a ``resize`` event and trains on.
 import copy
 import fcntl
 import os
-import shutil
+import signal
 import subprocess
 import sys
 
@@ -52,14 +52,23 @@ from .h5_state import saved_states
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "resize_job.py")
 PAIRS = [(4, 2), (4, 3), (4, 6), (2, 4)]
+JOB_LIMIT = 840  # s, only to catch a hang: the job takes minutes on a loaded machine
 
 
 def _launch(n: int, *args) -> None:
-    """``mpiexec -n n python -m mpi4py tests/resize_job.py args...``; fails the test with its output otherwise."""
+    """``mpiexec -n n python -m mpi4py tests/resize_job.py args...`` (its own process group, ended whole if it
+    outlasts :data:`JOB_LIMIT`); fails the test with its output otherwise."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpi4py", JOB, *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=JOB_LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the resize job was still running after {JOB_LIMIT} s: {err[-2000:]}")
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +79,17 @@ def job(tmp_path_factory):
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent  # the session's directory, above each worker's
-    root = shared / "resize_job"
+    root, failed = shared / "resize_job", shared / "resize_job.failed"
     with open(shared / "resize_job.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if failed.exists():
+            pytest.fail("the resize job failed in another worker (see the first test that ran it)")
         if not (root / "done").exists():
-            shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
+            failed.touch()
             root.mkdir()
             _launch(6, root)
             (root / "done").touch()
+            failed.unlink()
     reports = {}
     for old, new in PAIRS:
         reports[(old, new)] = torch.load(root / f"report{old}to{new}.pt")
@@ -94,6 +106,7 @@ def test_every_method_is_in_the_job():
     assert all(sum(name in f for f in families) == 1 for name in ALGORITHMS), sorted(ALGORITHMS)
 
 
+@pytest.mark.timeout(JOB_LIMIT + 60)  # the first test of each worker waits for the job
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"{a}to{b}" for a, b in PAIRS])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_rule_holds_and_training_goes_on(job, pair, name):
