@@ -17,7 +17,7 @@ fi
 export OMP_NUM_THREADS=1
 all=(comm codecs kernel-breakdown moniqua-pull decentralized centralized moniqua moniqua-adpsgd netvalidate tta bert
      hsq scaling moniqua-theta moniqua-resnet peers peers-apps export-batchnorm step-overhead host-syncs
-     user-optimizer memory resize-memory moniqua-rss overlap local-updates gossip-overlap hierarchy)
+     user-optimizer memory resize-memory moniqua-rss overlap local-updates gossip-overlap hierarchy defaults)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -50,6 +50,7 @@ for name in "${chosen[@]}"; do
     gossip-overlap) python bench/wallclock/overlap.py --algorithms dpsgd,moniqua,choco --models resnet20 --ranks 4 \
                       --steps 15 --rounds 3 --settings slow,gbit --name gossip_overlap ;;
     hierarchy) python bench/wallclock/hierarchy.py ;;
+    defaults) python bench/training/defaults_sweep.py ;;
     gpu) scripts/gpu_check.sh ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
