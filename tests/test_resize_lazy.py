@@ -95,6 +95,16 @@ def test_own_rank_reads_old_rank_r_or_takes_the_fresh_value(tmp_path):
     assert resize.own_rank(values, fresh, _resize(states, rank=2), "g") is fresh
 
 
+def test_a_generator_not_yet_drawn_from_stays_fresh_past_the_saved_ranks(tmp_path):
+    """A codec's generator is ``{seed, rng_state}`` with no state until its first draw: new rank 2 of a 2-rank
+    save keeps its own seed and no state (rank 0's state would make it draw rank 0's numbers)."""
+    trees = [{"codec": {"seed": r, "rng_state": torch.full((4,), r, dtype=torch.uint8)}} for r in range(2)]
+    states = saved(tmp_path, trees)
+    fresh = {"codec": {"seed": 7, "rng_state": None}}
+    out = resize.reshard_tree(states, fresh, _resize(states, rank=2, fresh=fresh), {"codec": resize.own_rank})
+    assert out == {"codec": {"seed": 7, "rng_state": None}}
+
+
 def test_server_errors_of_two_owners_re_cut_into_three_chunks(tmp_path):
     """d = 7, saved at 2 ranks with chunks of 4 (0 1 2 3 | 4 5 6 pad): at 3 ranks chunks of 3 are (0 1 2), (3 4 5),
     (6 0 0)."""

@@ -203,10 +203,13 @@ def replica_mean(values: list, fresh_value, resize: Resize, path: str):
 
 @_leafwise
 def own_rank(values: list, fresh_value, resize: Resize, path: str):
-    """Old rank r's value for new rank r < N; the freshly built one (or rank 0's, without one) otherwise."""
+    """Old rank r's value for new rank r < N; the freshly built one otherwise (even ``None``: a generator not yet
+    drawn from), or the saved rank 0's where the freshly built state has no such entry."""
     if resize.rank < len(values):
         return _load(values[resize.rank])
-    return _load(values[0]) if fresh_value is None else fresh_value
+    if fresh_value is None and not _has_entry(resize.fresh, path):
+        return _load(values[0])
+    return fresh_value
 
 
 @_leafwise
@@ -328,6 +331,16 @@ def _child(node, key: str):
     if isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
         return True, node[int(key)]
     return False, None
+
+
+def _has_entry(state, path: str) -> bool:
+    """Whether ``state`` holds an entry at the dotted ``path`` (its value may be None)."""
+    node = state
+    for key in path.split(".") if path else []:
+        found, node = _child(node, key)
+        if not found:
+            return False
+    return True
 
 
 def check_rule_paths(name: str, rules: dict[str, Rule], state: dict) -> None:
