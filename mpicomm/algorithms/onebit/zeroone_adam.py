@@ -47,7 +47,7 @@ KINDS = ("variance", "compressed", "local", "sync")
 
 
 @dataclass(frozen=True)
-class ZeroOneAdamConfig(HierarchicalConfig, AdamConfig, DenominatorFloorConfig):
+class ZeroOneAdamConfig(AdamConfig, HierarchicalConfig, DenominatorFloorConfig):
     """Adam options plus the schedules (DeepSpeed's names and defaults), hierarchical and the denominator's floor.
 
     var_freeze_step: steps with variance updates before v is frozen and local steps begin. var_update_scaler:
