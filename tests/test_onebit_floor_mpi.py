@@ -39,6 +39,17 @@ def _embedding():
     return torch.nn.Embedding(ROWS, WIDTH)
 
 
+def _weights_at(t: int, switch: int, c: float):
+    """Step t's gradient weights when the 1-bit phase starts after step ``switch`` (m of a used row is ``c`` along
+    w then): used rows only before it; at its first step b1 m + (1 - b1) a = 1 on both halves, so the 1-bit
+    exchange is exact; every row afterwards."""
+    if t <= switch:
+        return _weights(1, 0)
+    if t == switch + 1:
+        return _weights((1 - B1 * c) / (1 - B1), 1 / (1 - B1))
+    return _weights(1, 1)
+
+
 def _step(algo, model, weights):
     """One step of the loss sum_r weights[r] <E[r], w> (rows of weight 0 are not looked up: no gradient)."""
     rows = torch.nonzero(weights).flatten()
@@ -88,12 +99,7 @@ def test_apmsqueeze_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(c
         big_f = (FLOOR if floor is None else floor) * s / 2
         c = 1 - B1**warmup                    # m of a used row after the warm-up, along w
         for t in range(1, warmup + 4):
-            if t <= warmup:
-                weights = _weights(1, 0)
-            elif t == warmup + 1:             # b1 m + (1 - b1) a = 1 on both halves: the exchange is exact
-                weights = _weights((1 - B1 * c) / (1 - B1), 1 / (1 - B1))
-            else:
-                weights = _weights(1, 1)
+            weights = _weights_at(t, warmup, c)
             before = model.weight.detach().clone()
             _step(algo, model, weights)
             used, unused = _moves(before, model.weight.detach())
@@ -158,12 +164,7 @@ def test_onebit_lamb_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(
         big_f = FLOOR * s / 2
         c = 1 - B1**freeze
         for t in range(1, freeze + 4):
-            if t <= freeze:
-                weights = _weights(1, 0)
-            elif t == freeze + 1:
-                weights = _weights((1 - B1 * c) / (1 - B1), 1 / (1 - B1))
-            else:
-                weights = _weights(1, 1)
+            weights = _weights_at(t, freeze, c)
             before = model.weight.detach().clone()
             _step(algo, model, weights)
             used, unused = _moves(before, model.weight.detach())

@@ -188,15 +188,24 @@ def agreed(values: list, fresh_value, resize: Resize, path: str):
                      "covers it (a per-rank buffer must declare whether it is averaged, re-derived or re-split)")
 
 
+def _carried_or_averaged(values: list) -> tuple[bool, Any]:
+    """(True, the value) when identical on every saved rank (carried) or floating point (averaged over them);
+    (False, None) for differing values that are not floating point."""
+    if _all_same(values):
+        return True, _load(values[0])
+    if all(_is_float(v) for v in values):
+        return True, _mean(values)
+    if all(isinstance(v, float) for v in values):
+        return True, float(sum(values) / len(values))
+    return False, None
+
+
 @_leafwise
 def replica_mean(values: list, fresh_value, resize: Resize, path: str):
     """Carried when identical; floating point: the average over the saved ranks (a consensus restart)."""
-    if _all_same(values):
-        return _load(values[0])
-    if all(_is_float(v) for v in values):
-        return _mean(values)
-    if all(isinstance(v, float) for v in values):
-        return float(sum(values) / len(values))
+    done, value = _carried_or_averaged(values)
+    if done:
+        return value
     raise ValueError(f"{resize.name}: its state entry {path!r} differs across the saved ranks and is not floating "
                      "point, so it cannot be averaged")
 
@@ -215,11 +224,8 @@ def own_rank(values: list, fresh_value, resize: Resize, path: str):
 @_leafwise
 def agreed_or_merged(values: list, fresh_value, resize: Resize, path: str):
     """The model's buffers: carried when identical on every saved rank, averaged when floating point, else own."""
-    if _all_same(values):
-        return _load(values[0])
-    if all(_is_float(v) for v in values):
-        return _mean(values)
-    return own_rank(values, fresh_value, resize, path)
+    done, value = _carried_or_averaged(values)
+    return value if done else own_rank(values, fresh_value, resize, path)
 
 
 # ------------------------------------------------------------------------------------ rules on a whole entry
