@@ -74,11 +74,11 @@ def _launch(n: int, *args) -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The job's directory and its reports by (saved size, new size): saved at 4, resumed at 2 (and saved there
-    again after training on), 3 and 6; the 2-rank checkpoint resumed at 4. One job per test session: under
+    again after training on), 3 and 6; the 2-rank checkpoint resumed at 4. One job per pytest run: under
     pytest-xdist the workers share it (the first runs it, the others wait for it under a file lock)."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the session's directory, above each worker's
+        shared = shared.parent  # the run's base directory, above each worker's
     root, failed = shared / "resize_job", shared / "resize_job.failed"
     with open(shared / "resize_job.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

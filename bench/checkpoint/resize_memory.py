@@ -30,16 +30,10 @@ from bench.common import REPO, RUNS, enter_loopback_namespace, machine, markdown
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resize_memory_job.py")
 
 
-def mpiexec() -> str:
-    """The ``mpiexec`` beside this Python (the set-up's MPICH wheel), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else "mpiexec"
-
-
 def run(n: int, repo: str, *args) -> None:
     """``mpiexec -n n python resize_memory_job.py args...`` with ``repo`` first on the path; raises on failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
-    proc = subprocess.run([mpiexec(), "-n", str(n), sys.executable, JOB, *map(str, args)], env=env,
+    proc = subprocess.run(["mpiexec", "-n", str(n), sys.executable, JOB, *map(str, args)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"mpiexec -n {n} {JOB} {' '.join(map(str, args))} failed:\n{proc.stdout[-2000:]}"

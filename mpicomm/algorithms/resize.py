@@ -76,9 +76,14 @@ class Resize:
 
     def mean_params(self) -> torch.Tensor:
         """The average of the saved ranks' flat parameters (this rank's new replica under a consensus restart)."""
-        if "params" not in self._cache:
-            self._cache["params"] = _mean([s["params"] for s in self.states])
-        return self._cache["params"]
+        return self.carried_or_averaged("params", [s["params"] for s in self.states])[1]
+
+    def carried_or_averaged(self, path: str, values: list) -> tuple[bool, Any]:
+        """:func:`_carried_or_averaged` of the entry at ``path``, computed once (the replica is also what CHOCO's
+        and DCD's public copies are rebuilt from)."""
+        if path not in self._cache:
+            self._cache[path] = _carried_or_averaged(values)
+        return self._cache[path]
 
 
 Rule = Callable[[list, Any, Resize, str], Any]
@@ -125,22 +130,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat
 
 
-def _same_tensors(values: list) -> bool:
-    """Whether tensors (or lazy ones) have one dtype, one shape and the same bits, compared a slice at a time."""
+_DIFFERENT = object()
+"""What :func:`_identical` returns for values that differ across the saved ranks."""
+
+
+def _identical_tensor(values: list):
+    """The tensor every saved rank holds (one dtype, shape and the same bits), compared a slice at a time and, when
+    lazy, assembled from rank 0's slices as they are read; :data:`_DIFFERENT` otherwise."""
     first = values[0]
     if any(not _tensorish(v) or v.dtype != first.dtype or tuple(v.shape) != tuple(first.shape) for v in values):
-        return False
+        return _DIFFERENT
+    out = torch.empty(tuple(first.shape), dtype=first.dtype) if isinstance(first, LazyTensor) else first
     for rows in _row_slices(first):
-        mine = _bits(_rows(first, rows))
-        if any(not torch.equal(mine, _bits(_rows(v, rows))) for v in values[1:]):
-            return False
-    return True
+        mine = _rows(first, rows)
+        if any(not torch.equal(_bits(mine), _bits(_rows(v, rows))) for v in values[1:]):
+            return _DIFFERENT
+        if out is not first:
+            (out if rows is None else out[rows]).copy_(mine)
+    return out
 
 
 def _same(a, b) -> bool:
     """Whether two saved values are identical (tensors and arrays: dtype, shape and every bit)."""
     if _tensorish(a) or _tensorish(b):
-        return _same_tensors([a, b])
+        return _identical_tensor([a, b]) is not _DIFFERENT
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and a.tobytes() == b.tobytes())
@@ -153,10 +166,11 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _all_same(values: list) -> bool:
+def _identical(values: list):
+    """The value every saved rank holds (a lazy tensor read once, while it is compared), or :data:`_DIFFERENT`."""
     if all(_tensorish(v) for v in values):
-        return _same_tensors(values)
-    return all(_same(values[0], v) for v in values[1:])
+        return _identical_tensor(values)
+    return values[0] if all(_same(values[0], v) for v in values[1:]) else _DIFFERENT
 
 
 def _mean(values: list) -> torch.Tensor:
@@ -182,8 +196,9 @@ def _is_float(value) -> bool:
 @_leafwise
 def agreed(values: list, fresh_value, resize: Resize, path: str):
     """An entry no rule covers: identical on every saved rank, carried exactly; else the resize is refused."""
-    if _all_same(values):
-        return _load(values[0])
+    value = _identical(values)
+    if value is not _DIFFERENT:
+        return value
     raise ValueError(f"{resize.name}: its state entry {path!r} differs across the saved ranks and no resize rule "
                      "covers it (a per-rank buffer must declare whether it is averaged, re-derived or re-split)")
 
@@ -191,8 +206,9 @@ def agreed(values: list, fresh_value, resize: Resize, path: str):
 def _carried_or_averaged(values: list) -> tuple[bool, Any]:
     """(True, the value) when identical on every saved rank (carried) or floating point (averaged over them);
     (False, None) for differing values that are not floating point."""
-    if _all_same(values):
-        return True, _load(values[0])
+    value = _identical(values)
+    if value is not _DIFFERENT:
+        return True, value
     if all(_is_float(v) for v in values):
         return True, _mean(values)
     if all(isinstance(v, float) for v in values):
@@ -203,7 +219,7 @@ def _carried_or_averaged(values: list) -> tuple[bool, Any]:
 @_leafwise
 def replica_mean(values: list, fresh_value, resize: Resize, path: str):
     """Carried when identical; floating point: the average over the saved ranks (a consensus restart)."""
-    done, value = _carried_or_averaged(values)
+    done, value = resize.carried_or_averaged(path, values)
     if done:
         return value
     raise ValueError(f"{resize.name}: its state entry {path!r} differs across the saved ranks and is not floating "
