@@ -210,9 +210,9 @@ class LazyTensor:
             with h5py.File(self.filename, "r") as f:
                 obj = f[self.name]
                 data = obj[()] if rows is None else obj[rows]
+                return _decode(obj, "tensor", np.asarray(data), self.path, self.dtype)
         except OSError as exc:
             raise CheckpointError(f"{_where(self.path)} ({self.filename}:{self.name}) is corrupted: {exc}") from exc
-        return _decode(obj, "tensor", np.asarray(data), self.path, self.dtype)
 
     def __repr__(self) -> str:
         return f"LazyTensor({self.filename!r}, {self.name!r}, {self.dtype}, {self.shape})"
