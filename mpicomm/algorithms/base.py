@@ -52,10 +52,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..checkpoint.resize_rules import Resize, check_rule_paths, replica_mean, reshard_tree
 from ..comm import Communicator, raise_together
 from ..errors import ScriptError
 from ..flat import FlatParameters
-from .resize import Resize, check_rule_paths, replica_mean, reshard_tree
 from .shared.user_loop import UsedParameters, dtype_problem, optimizer_params, optimizer_problem, sparse_problem
 
 __all__ = ["Algorithm", "AlgorithmConfig", "GossipOverlapConfig", "check_bool", "check_int", "check_range",
@@ -743,7 +743,7 @@ class Algorithm(abc.ABC):
 
     def _resize_rules(self) -> dict:
         """Dotted paths of :meth:`state_dict` with the rule that builds them on a resize
-        (:mod:`~mpicomm.algorithms.resize`); an entry no path covers must be identical on every saved rank.
+        (:mod:`~mpicomm.checkpoint.resize_rules`); an entry no path covers must be identical on every saved rank.
         The family's rules: none for a centralized method (everything is agreed); a consensus restart for a
         decentralized one (the replica and every per-rank floating-point entry of ``extra`` averaged); the
         DiLoCo family averages the inner model and inner optimizer. Override and extend."""
@@ -762,7 +762,7 @@ class Algorithm(abc.ABC):
         """This rank's state at the current world size from ``states``, the ``state_dict()`` of every rank of a
         checkpoint saved at another world size (old rank order); load it with :meth:`load_state_dict`.
 
-        The rules per family are in :mod:`~mpicomm.algorithms.resize` and docs/checkpoints.md. Raises
+        The rules per family are in :mod:`~mpicomm.checkpoint.resize_rules` and docs/checkpoints.md. Raises
         ``ValueError`` naming the method where it cannot continue (:meth:`resize_refusal`). Not collective.
         """
         refusal = self.resize_refusal()

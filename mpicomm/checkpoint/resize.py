@@ -2,7 +2,7 @@
 
 :func:`~mpicomm.checkpoint.store.load_checkpoint` with ``any_size=True`` gives every rank the N saved states;
 :func:`load_resized` builds this rank's from them (the algorithm by its
-:meth:`~mpicomm.algorithms.base.Algorithm.reshard_state`, the rules of :mod:`mpicomm.algorithms.resize`) and
+:meth:`~mpicomm.algorithms.base.Algorithm.reshard_state`, the rules of :mod:`mpicomm.checkpoint.resize_rules`) and
 loads it. What each part becomes (docs/checkpoints.md, Another world size):
 
 * the algorithm's state: its family's rule;
@@ -43,8 +43,8 @@ def seed_generators(seed: int) -> None:
 
 
 def _buffers(saved: list[dict], model: torch.nn.Module, rank: int, size: int):
-    """The model's buffers from every saved rank's by :func:`~mpicomm.algorithms.resize.agreed_or_merged`."""
-    from ..algorithms.resize import Resize, agreed_or_merged, reshard_tree
+    """The model's buffers from every saved rank's by :func:`~mpicomm.checkpoint.resize_rules.agreed_or_merged`."""
+    from .resize_rules import Resize, agreed_or_merged, reshard_tree
 
     fresh = {name: b.detach().clone() for name, b in model.named_buffers()}
     if not fresh:

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...checkpoint.resize_rules import own_rank, residual_mean
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
 from ..base import Algorithm, check_range, clone_optimizer_state
-from ..resize import own_rank, residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import TwoLevelConfig, two_level_for

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import own_rank
 from ...codecs.hsq import HSQCodec, check_hsq_options
 from ...comm import raise_together
 from ..base import Algorithm, check_range, clone_optimizer_state
-from ..resize import own_rank
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import HierarchicalConfig, shard_layers, two_level_for
 from .bucketed_hsq import BucketedHSQ

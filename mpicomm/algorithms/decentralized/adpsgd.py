@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...checkpoint.resize_rules import own_rank
 from ...comm.rma import Mailbox, passive_progress_warning
 from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
-from ..resize import own_rank
 from ..shared.gossip import gossip_average
 
 __all__ = ["ADPSGD", "ADPSGDConfig", "expected_pull_matrix"]

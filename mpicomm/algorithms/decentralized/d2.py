@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import rebuilt_for_new_graph
 from ...codecs import chunk_elems, chunk_ranges
 from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
-from ..resize import rebuilt_for_new_graph
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import public_copies
 from ..base import Algorithm, clone_optimizer_state
-from ..resize import public_copies
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for

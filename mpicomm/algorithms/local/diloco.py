@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...checkpoint.resize_rules import own_rank, residual_mean
 from ..base import Algorithm, AlgorithmConfig, check_bool, check_range, clone_optimizer_state
-from ..resize import own_rank, residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for

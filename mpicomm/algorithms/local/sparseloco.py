@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import residual_mean
 from ...codecs.chunked_topk import ChunkedTopKCodec
 from ..base import check_int, check_range
-from ..resize import residual_mean
 from ..shared.allgather_sum import PayloadSum
 from ..shared.hierarchy import HierarchicalConfig, two_level_for
 from .diloco import OuterConfig, OuterLoop

@@ -35,8 +35,8 @@ from itertools import accumulate
 
 import torch
 
+from ...checkpoint.resize_rules import own_rank, residual_mean, saved_rank0
 from ..base import check_bool, check_int, check_range
-from ..resize import own_rank, residual_mean, saved_rank0
 from ..shared.allgather_sum import tree_sum
 from ..shared.codec_options import check_codec, make_rank_codec
 from ..shared.hierarchy import HierarchicalConfig, two_level_for

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import rebuilt_for_new_graph
 from ..base import check_int, check_range
-from ..resize import rebuilt_for_new_graph
 from ..shared.hierarchy import GossipTwoLevelConfig, ShardOfFlat, group_layers, node_gossip_for
 from ..shared.periodic import OrderConfig, PeriodicGossip
 from .layout import LowRankLayout, orthogonalize, zero_lost_columns

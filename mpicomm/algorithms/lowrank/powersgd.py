@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import residual_mean
 from ..base import Algorithm, check_bool, check_int, check_range, clone_optimizer_state
-from ..resize import residual_mean
 from ..shared.buckets import LaunchedTraffic
 from ..shared.hierarchy import ShardOfFlat, TwoLevelConfig, group_layers, mean_over_ranks, two_level_for
 from .bucketed import BucketedPowerSGD

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import ONEBIT_RULES
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
-from ..resize import ONEBIT_RULES
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import check_float32, onebit_average_for
@@ -245,7 +245,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         return out
 
     def _resize_rules(self):
-        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`."""
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.checkpoint.resize_rules.ONEBIT_RULES`."""
         return {**super()._resize_rules(), **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import ONEBIT_RULES, replica_mean
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
-from ..resize import ONEBIT_RULES, replica_mean
 from .average import check_float32, onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
 
@@ -140,7 +140,7 @@ class OneBitLAMB(LAMB):
                 "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
 
     def _resize_rules(self):
-        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`; what
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.checkpoint.resize_rules.ONEBIT_RULES`; what
         1-bit LAMB's local steps made differ per rank (the model and its moments) is averaged (:func:`replica_mean`),
         what is identical carried."""
         return {**super()._resize_rules(), "params": replica_mean, "extra": replica_mean, **ONEBIT_RULES}

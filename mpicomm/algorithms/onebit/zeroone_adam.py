@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...checkpoint.resize_rules import ONEBIT_RULES, replica_mean
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
-from ..resize import ONEBIT_RULES, replica_mean
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import check_float32, onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
@@ -181,7 +181,7 @@ class ZeroOneAdam(Algorithm):
                 **self.onebit.state_dict()}
 
     def _resize_rules(self):
-        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.algorithms.resize.ONEBIT_RULES`; what
+        """On a resize, the 1-bit average's errors follow :data:`~mpicomm.checkpoint.resize_rules.ONEBIT_RULES`; what
         0/1 Adam's local steps made differ per rank (the model and its moments) is averaged (:func:`replica_mean`),
         what is identical carried."""
         return {**super()._resize_rules(), "params": replica_mean, "extra": replica_mean, **ONEBIT_RULES}

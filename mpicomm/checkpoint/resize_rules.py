@@ -48,7 +48,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..checkpoint.tree import LazyTensor
+from .tree import LazyTensor
 
 __all__ = ["ONEBIT_RULES", "SLICE_ELEMENTS", "Resize", "agreed", "agreed_or_merged", "check_rule_paths",
            "onebit_server_errors", "onebit_worker_errors", "own_rank", "public_copies", "rebuilt_for_new_graph",
