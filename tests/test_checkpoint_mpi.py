@@ -143,7 +143,8 @@ def test_mismatches_raise_one_value_error_on_every_rank(comm, mpi_tmp_path):
         world = None
         if size > 1:  # the same checkpoint read by two smaller jobs
             sub = comm.Split(0 if rank == 0 else 1, rank)
-            world = (sub.Get_size(), caught(lambda: load_checkpoint(root, sub)))
+            smaller = Communicator(sub, topo.ring(sub.Get_size()))
+            world = (sub.Get_size(), caught(lambda: load_checkpoint(root, smaller)))
             sub.Free()
         ok = load_checkpoint(root, c, expect=meta)[0]
 
@@ -233,6 +234,7 @@ def test_failed_saves_leave_the_previous_checkpoint_and_latest_untouched(comm, m
             full = caught(lambda: save_checkpoint(root, c, rank_state(rank, 3), step=3))
         exists = caught(lambda: save_checkpoint(root, c, rank_state(rank, 9), step=1))
         reserved = caught(lambda: save_checkpoint(root, c, {}, step=4, meta={"step": 5}))
+        raw = caught(lambda: save_checkpoint(root, comm, {}, step=5))  # an mpi4py communicator is not one
         state, meta = load_checkpoint(root, c)
 
         assert type(bad_type) is TypeError, bad_type
@@ -242,6 +244,7 @@ def test_failed_saves_leave_the_previous_checkpoint_and_latest_untouched(comm, m
         assert type(full) is OSError and "commit failed on rank 0: OSError: [Errno 28] No space left" in str(full)
         assert type(exists) is FileExistsError and f"{p1} already exists" in str(exists), exists
         assert type(reserved) is ValueError and "meta keys ['step'] are reserved" in str(reserved), reserved
+        assert type(raw) is TypeError and "comm must be a Communicator" in str(raw), raw
         assert sorted(os.listdir(root)) == ["latest", "step-000000001"], os.listdir(root)
         assert (root / "latest").read_text() == pointer and latest_checkpoint(root) == p1
         same(rank_state(rank, 1), state)
@@ -254,10 +257,9 @@ CRASH = """
 import os, sys, torch
 from mpicomm.checkpoint import save_checkpoint, tree
 
-class One:  # a one-process stand-in for an MPI communicator
-    def Get_rank(self): return 0
-    def Get_size(self): return 1
-    def allgather(self, x): return [x]
+class One:  # a one-process stand-in for a communicator (the store needs only these three)
+    rank, size = 0, 1
+    def allgather_object(self, obj, what): return [obj]
 
 root = sys.argv[1]
 save_checkpoint(root, One(), {"x": torch.arange(3)}, step=1)
@@ -283,8 +285,9 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(comm, mpi_tmp_
         after_crash = sorted(os.listdir(root))
         leftover = os.listdir(root / ".tmp-step-000000002")
         pointer = (root / "latest").read_text()
-        state, meta = load_checkpoint(root, MPI.COMM_SELF)
-        p3 = save_checkpoint(root, MPI.COMM_SELF, {"y": 1}, step=3)
+        alone = Communicator(MPI.COMM_SELF, topo.ring(1))
+        state, meta = load_checkpoint(root, alone)
+        p3 = save_checkpoint(root, alone, {"y": 1}, step=3)
 
         assert proc.returncode == 9, proc.stderr
         assert after_crash == [".tmp-step-000000002", "latest", "step-000000001"], after_crash

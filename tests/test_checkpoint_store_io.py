@@ -14,19 +14,18 @@ import sys
 
 import pytest
 
-from mpicomm.checkpoint import store
+from mpicomm.checkpoint import durable
 
 from .conftest import tmpfs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = """
 import os, sys, torch
-from mpicomm.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, store
+from mpicomm.checkpoint import durable, latest_checkpoint, load_checkpoint, save_checkpoint, store
 
-class One:  # a one-process stand-in for a communicator (the store needs only these three calls)
-    def Get_rank(self): return 0
-    def Get_size(self): return 1
-    def allgather(self, x): return [x]
+class One:  # a one-process stand-in for a communicator (the store needs only these three)
+    rank, size = 0, 1
+    def allgather_object(self, obj, what): return [obj]
 
 def fill(directory):  # another writer takes every byte left
     fd = os.open(os.path.join(directory, "other-writer"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -44,7 +43,7 @@ state, meta = load_checkpoint(root, One())
 print(f"latest={latest_checkpoint(root).name} intact={torch.equal(state['w'], torch.arange(1000.0))}", flush=True)
 """
 NO_SPACE_CHECK = PRELUDE + """
-store._check_space = lambda directory, need: None
+durable.check_space = lambda directory, need: None
 try:
     save_checkpoint(root, One(), {"w": torch.ones(1 << 22)}, step=2)  # 16 MiB into 4 MiB
 except OSError as exc:
@@ -98,7 +97,7 @@ def test_a_disk_filled_before_the_commit_fails_the_index_cleanly(disk):
 
 def test_the_sink_reads_back_what_it_kept_after_a_failed_write(disk):
     """Past the first failed write, HDF5 still reads back exactly what it wrote (kept in memory)."""
-    sink = store._Sink(disk / "f")
+    sink = durable.Sink(disk / "f")
     try:
         chunk = bytes(range(256)) * 1024  # 256 KiB
         for i in range(24):  # 6 MiB into 4 MiB
@@ -117,8 +116,8 @@ def test_the_sink_reads_back_what_it_kept_after_a_failed_write(disk):
 
 
 def test_the_sink_keeps_at_most_its_bound_in_memory(disk, monkeypatch):
-    monkeypatch.setattr(store, "_HELD_BYTES", 1 << 20)
-    sink = store._Sink(disk / "f")
+    monkeypatch.setattr(durable, "_HELD_BYTES", 1 << 20)
+    sink = durable.Sink(disk / "f")
     try:
         for _ in range(32):  # 8 MiB into 4 MiB
             sink.write(bytes(1 << 18))

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from mpicomm.checkpoint.store import read_index, read_rank_entry
+from mpicomm.checkpoint.reading import read_index, read_rank_entry
 from mpicomm.training.metrics import MetricsWriter, continued, read_metrics, repair_metrics
 from mpicomm.training.plot import curves
 
@@ -44,13 +44,13 @@ when, app = sys.argv[1], sys.argv[2]
 sys.argv = sys.argv[2:]
 if when == "checkpoint-4":  # after the store checked that the checkpoint of step 4 fits, leaving 1 MiB:
     # each rank's file (~2.2 MB) stops part way, inside HDF5 (a write that must not crash the process at its exit)
-    from mpicomm.checkpoint import store
-    check_space = store._check_space
+    from mpicomm.checkpoint import durable
+    check_space = durable.check_space
     def check_then_fill(directory, need):
         check_space(directory, need)
         if directory.name == ".tmp-step-000000004":
             fill(directory.parent, leave=1 << 20)
-    store._check_space = check_then_fill
+    durable.check_space = check_then_fill
 if when == "metrics-page":  # after the first checkpoint, as a metrics record needs a new page of the tmpfs
     import json
     from mpicomm.training import metrics

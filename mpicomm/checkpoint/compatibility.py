@@ -15,7 +15,7 @@ import ast
 import dataclasses
 import json
 
-from .store import optimizer_settings, topology_kind
+from .meta import optimizer_settings, topology_kind
 
 __all__ = ["plain", "settings_differences", "signature_mismatch"]
 
