@@ -40,8 +40,12 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # importing mpicomm.comm starts MPI: init() does it, not ``import mpicomm``
+    from .comm import World
 
 __all__ = ["Job", "init", "restore", "sampler", "save", "wrap"]
 
@@ -54,7 +58,7 @@ class Job:
     size: int
     local_rank: int
     device: torch.device
-    world: object  # the MPI communicator of every rank (mpi4py's), for those who want it
+    world: World  # every rank: rank, size, allgather_object; its ``comm`` is mpi4py's, for those who want it
 
 
 _JOB: Job | None = None
@@ -66,7 +70,7 @@ def _excepthook(kind, value, tb) -> None:
     from .comm.failfast import abort_with_line, settle_local_error
     from .errors import ScriptError, agreed_of, one_line
 
-    comm = world()
+    job = world()
     if isinstance(value, ScriptError):
         line, everyone = settle_local_error(one_line(str(value)))
         if line:
@@ -78,16 +82,16 @@ def _excepthook(kind, value, tb) -> None:
         os._exit(2)
     mark = agreed_of(value)
     if mark is not None:
-        if comm.Get_rank() == 0:
+        if job.rank == 0:
             sys.stderr.write(f"mpicomm: error: {mark.describe()}\n")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
-    sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception; aborting the job\n")
+    sys.stderr.write(f"[rank {job.rank}] uncaught exception; aborting the job\n")
     traceback.print_exception(kind, value, tb)
     sys.stderr.flush()
-    if comm.Get_size() > 1:
-        comm.Abort(1)
+    if job.size > 1:
+        job.abort(1)
     os._exit(1)
 
 
@@ -119,7 +123,7 @@ def init(device: str = "auto", errors: bool = True) -> Job:
         prepare_local_errors(comm)
         if chosen.type == "cuda":
             torch.cuda.set_device(chosen)
-        _JOB = Job(comm.Get_rank(), comm.Get_size(), local, chosen, comm)
+        _JOB = Job(comm.rank, comm.size, local, chosen, comm)
     return _JOB
 
 
@@ -169,7 +173,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
     comm = Communicator(job.world, graph, net=spec)
     if algorithm != "auto":
         return make_algorithm(algorithm, model, comm, optimizer=optimizer, **options)
-    from .plan.choose import accepted_options, plan_choice
+    from .plan.choose import plan_choice
+    from .training.options import accepted_options
 
     record = plan_choice(model, comm, auto["step_time"], net or "", auto["tolerance"],
                          user_optimizer=optimizer is not None, net_source="net=" if net else "")

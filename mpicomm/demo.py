@@ -34,9 +34,10 @@ def _vector(rank: int, numel: int) -> torch.Tensor:
     return base + 0.01 * noise
 
 
-def run_demo(mpi_comm, numel: int = 100_000, theta: float = 0.1) -> list[dict]:
-    """Exchange ``numel``-element vectors on a ring once per codec; return (and on rank 0 print) the rows."""
-    comm = Communicator(mpi_comm, topology.ring(mpi_comm.Get_size()))
+def run_demo(world, numel: int = 100_000, theta: float = 0.1) -> list[dict]:
+    """Exchange ``numel``-element vectors on a ring of ``world``'s ranks (:func:`mpicomm.comm.world`) once per
+    codec; return (and on rank 0 print) the rows."""
+    comm = Communicator(world, topology.ring(world.size))
     x = _vector(comm.rank, numel)
     sources = comm.in_neighbors()
     truths = {s: _vector(s, numel) for s in sources}

@@ -1,11 +1,11 @@
-"""The only place mpicomm imports mpi4py: communicator, buffer routing, fail-fast helpers, node layout."""
+"""The only place mpicomm imports mpi4py: the world, the communicator, buffer routing, fail-fast, node layout."""
 
 from .buffers import BufferRouter, query_cuda_aware
 from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
 from .local import local_rank, local_size, node_layout
 from .nodes import RANKS_PER_NODE_ENV, NodeLayout
-from .world import world
+from .world import World, as_world, world
 
 __all__ = [
     "BufferRouter",
@@ -13,7 +13,9 @@ __all__ = [
     "Handle",
     "NodeLayout",
     "RANKS_PER_NODE_ENV",
+    "World",
     "abort_on_exception",
+    "as_world",
     "local_rank",
     "local_size",
     "node_layout",

@@ -26,6 +26,7 @@ import traceback
 from mpi4py import MPI
 
 from ..errors import mark_agreed
+from .world import raw_comm
 
 __all__ = ["ABORT_GRACE_S", "SETTLE_S", "abort_on_exception", "abort_with_line", "prepare_local_errors",
            "raise_together", "settle_local_error"]
@@ -53,10 +54,11 @@ def _abort(comm, code: int) -> None:
 def abort_on_exception(comm=None, exit_code: int = 1):
     """Run the body; on an uncaught exception print it with the rank and call ``comm.Abort(exit_code)``.
 
+    ``comm``: a :class:`~mpicomm.comm.World`, a Communicator or an mpi4py communicator (None: the world).
     ``SystemExit`` with code 0 passes through. Under one process (size 1) the exception propagates
     normally, so tracebacks stay readable in serial use.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = MPI.COMM_WORLD if comm is None else raw_comm(comm)
     try:
         yield
     except SystemExit as exc:
@@ -76,9 +78,9 @@ def raise_together(comm, error: BaseException | None, exc_type: type[BaseExcepti
     """Collective: if any rank passes an error, raise ``exc_type`` with the first one's message on every rank.
 
     ``exc_type`` None: the first failing rank's own type when it is ``TypeError``, else ``ValueError`` (the
-    same type on every rank, whichever rank failed). ``comm``: a :class:`~mpicomm.comm.Communicator` (its
-    guarded control plane) or an mpi4py communicator. The raised error is marked as agreed
-    (:func:`mpicomm.errors.agreed_of`): an app prints it once.
+    same type on every rank, whichever rank failed). ``comm``: a :class:`~mpicomm.comm.Communicator` or a
+    :class:`~mpicomm.comm.World` (their guarded ``allgather_object``), or an mpi4py communicator. The raised
+    error is marked as agreed (:func:`mpicomm.errors.agreed_of`): an app prints it once.
     """
     gather = getattr(comm, "allgather_object", None) or comm.allgather
     messages = gather(None if error is None else (type(error).__name__, str(error)))
@@ -92,10 +94,10 @@ def raise_together(comm, error: BaseException | None, exc_type: type[BaseExcepti
 
 def prepare_local_errors(comm) -> None:
     """Collective, once per process: the communicator :func:`settle_local_error` agrees on (a duplicate of
-    ``comm``, freed before MPI is finalized)."""
+    ``comm``, a World or an mpi4py communicator, freed before MPI is finalized)."""
     global _LOCAL_ERRORS
     if _LOCAL_ERRORS is None:
-        _LOCAL_ERRORS = comm.Dup()
+        _LOCAL_ERRORS = raw_comm(comm).Dup()
         atexit.register(_free_local_errors)  # runs before mpi4py's finalize, registered at its import
 
 

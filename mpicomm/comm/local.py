@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from .world import raw_comm
+
 __all__ = ["local_rank", "local_size", "node_layout"]
 
 
-def _raw(comm):
-    """The mpi4py communicator behind ``comm`` (a :class:`~mpicomm.comm.Communicator` or mpi4py's own)."""
-    return getattr(comm, "comm", comm)
-
-
 def node_layout(comm) -> tuple[int, int]:
-    """Collective: ``(local_rank, local_size)`` of this rank within its node."""
-    raw = _raw(comm)
+    """Collective: ``(local_rank, local_size)`` of this rank within its node; ``comm``: a
+    :class:`~mpicomm.comm.World`, a Communicator or an mpi4py communicator."""
+    raw = raw_comm(comm)
     node = raw.Split_type(MPI.COMM_TYPE_SHARED, key=raw.Get_rank())
     try:
         return node.Get_rank(), node.Get_size()

@@ -85,13 +85,13 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
         console.error(str(exc))
         return EXIT_REFUSED
     console.route_warnings()
-    mpi_comm = world()
-    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    job = world()
+    rank, size = job.rank, job.size
     console.rank = rank
     console.info(f"{size} rank(s): {preparing} …")
-    with abort_on_exception(mpi_comm):
+    with abort_on_exception(job):
         try:
-            task, algo, cfg, lock = setup_run(args, mpi_comm, lambda: build_task(args, rank, size), console, check)
+            task, algo, cfg, lock = setup_run(args, job, lambda: build_task(args, rank, size), console, check)
         except (ValueError, TypeError) as exc:
             code = _refused(console, exc)
             if code is None:

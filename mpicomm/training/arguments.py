@@ -226,8 +226,9 @@ def accept_args(args: argparse.Namespace, size: int, check=None) -> tuple:
     return cfg, topo, net
 
 
-def setup_run(args: argparse.Namespace, mpi_comm, build, console=None, check=None):
-    """Collective: the topology and communicator, ``--out-dir`` claimed, ``build()`` -> task, then the algorithm.
+def setup_run(args: argparse.Namespace, world, build, console=None, check=None):
+    """Collective over ``world`` (:func:`mpicomm.comm.world`): the topology and communicator, ``--out-dir`` claimed,
+    ``build()`` -> task, then the algorithm.
 
     Any ``ValueError``/``TypeError`` raised on any rank (bad data dir, batch size, option value, an output
     directory in use) becomes the same ``ValueError`` on every rank, so the app can print it once and
@@ -235,14 +236,14 @@ def setup_run(args: argparse.Namespace, mpi_comm, build, console=None, check=Non
     Returns ``(task, algo, cfg, lock)``: ``lock`` holds ``--out-dir`` until released.
     """
     error, cfg, topo, net = None, None, None, None
-    device = place(args.device, mpi_comm)  # before anything is built: a device error trains nothing
-    seed_everything(1_000_003 * args.seed + mpi_comm.Get_rank())  # dropout, augmentation: reproducible per rank
+    device = place(args.device, world)  # before anything is built: a device error trains nothing
+    seed_everything(1_000_003 * args.seed + world.rank)  # dropout, augmentation: reproducible per rank
     try:
-        cfg, topo, net = accept_args(args, mpi_comm.Get_size(), check)
+        cfg, topo, net = accept_args(args, world.size, check)
     except (ValueError, TypeError, OSError) as exc:
         error = exc
-    raise_together(mpi_comm, error)
-    comm = Communicator(mpi_comm, topo, net=net)
+    raise_together(world, error)
+    comm = Communicator(world, topo, net=net)
     lock = claim_out_dir(comm, cfg.out_dir, resume=cfg.resume, overwrite=cfg.overwrite) if cfg.out_dir \
         else RunLock(None)
     try:

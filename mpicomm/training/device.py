@@ -63,23 +63,24 @@ def select_device(spec: str, local_rank: int, device_count: int | None = None, *
     return torch.device("cuda", int(index))
 
 
-def place(spec: str, mpi_comm, *, device_count: int | None = None, out=None) -> torch.device:
-    """Collective: select this rank's device, agree on errors, and print the placement once (rank 0).
+def place(spec: str, world, *, device_count: int | None = None, out=None) -> torch.device:
+    """Collective over ``world``: select this rank's device, agree on errors, print the placement once (rank 0).
 
-    ``device_count`` overrides the visible CUDA device count (tests); ``out`` is where rank 0 prints
-    (default stdout; ``False`` prints nothing).
+    ``world``: a :class:`~mpicomm.comm.World` (or an mpi4py communicator). ``device_count`` overrides the
+    visible CUDA device count (tests); ``out`` is where rank 0 prints (default stdout; ``False`` prints nothing).
     """
-    from ..comm import node_layout, raise_together
+    from ..comm import as_world, node_layout, raise_together
 
-    local, _ = node_layout(mpi_comm)
+    world = as_world(world)
+    local, _ = node_layout(world)
     device, error = None, None
     try:
         device = select_device(spec, local, device_count)
     except ValueError as exc:
         error = exc
-    raise_together(mpi_comm, error)
-    rows = mpi_comm.allgather((socket.gethostname(), str(device)))
-    if mpi_comm.Get_rank() == 0 and out is not False:
+    raise_together(world, error)
+    rows = world.allgather_object((socket.gethostname(), str(device)), "the device placement")
+    if world.rank == 0 and out is not False:
         stream = sys.stdout if out is None else out
         stream.write(placement_text(rows))
         stream.flush()
