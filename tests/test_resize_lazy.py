@@ -57,8 +57,8 @@ def test_a_corrupted_lazy_tensor_fails_when_read(tmp_path):
         tree["w"].read()
 
 
-def _resize(states, rank=0, size=3, fresh=None):
-    return resize.Resize(states, fresh or {"params": torch.zeros(7)}, rank, size, "method")
+def _resize(states, rank=0, size=3, built=None):
+    return resize.Resize(states, built or {"params": torch.zeros(7)}, rank, size, "method")
 
 
 def test_replica_and_residual_means_by_hand(tmp_path):
@@ -86,22 +86,22 @@ def test_agreed_carries_identical_entries_and_refuses_differing_ones_by_name(tmp
         resize.agreed([s["x"] for s in states], None, _resize(states), "extra.x")
 
 
-def test_own_rank_reads_old_rank_r_or_takes_the_fresh_value(tmp_path):
+def test_own_rank_reads_old_rank_r_or_takes_the_value_built_at_the_new_size(tmp_path):
     states = saved(tmp_path, [{"g": torch.full((4,), r, dtype=torch.uint8)} for r in range(2)])
     values = [s["g"] for s in states]
     mine = resize.own_rank(values, None, _resize(states, rank=1), "g")
     assert torch.equal(mine, torch.full((4,), 1, dtype=torch.uint8))
-    fresh = torch.full((4,), 9, dtype=torch.uint8)
-    assert resize.own_rank(values, fresh, _resize(states, rank=2), "g") is fresh
+    built = torch.full((4,), 9, dtype=torch.uint8)
+    assert resize.own_rank(values, built, _resize(states, rank=2), "g") is built
 
 
-def test_a_generator_not_yet_drawn_from_stays_fresh_past_the_saved_ranks(tmp_path):
+def test_a_generator_not_yet_drawn_from_stays_as_built_past_the_saved_ranks(tmp_path):
     """A codec's generator is ``{seed, rng_state}`` with no state until its first draw: new rank 2 of a 2-rank
     save keeps its own seed and no state (rank 0's state would make it draw rank 0's numbers)."""
     trees = [{"codec": {"seed": r, "rng_state": torch.full((4,), r, dtype=torch.uint8)}} for r in range(2)]
     states = saved(tmp_path, trees)
-    fresh = {"codec": {"seed": 7, "rng_state": None}}
-    out = resize.reshard_tree(states, fresh, _resize(states, rank=2, fresh=fresh), {"codec": resize.own_rank})
+    built = {"codec": {"seed": 7, "rng_state": None}}
+    out = resize.reshard_tree(states, built, _resize(states, rank=2, built=built), {"codec": resize.own_rank})
     assert out == {"codec": {"seed": 7, "rng_state": None}}
 
 
@@ -114,24 +114,28 @@ def test_server_errors_of_two_owners_re_cut_into_three_chunks(tmp_path):
     assert [p.tolist() for p in pieces] == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
 
 
-def test_worker_errors_mean_on_the_model_part_padded_anew(tmp_path):
-    """d = 7 over 2 saved ranks (padded to 8): each new rank gets the mean of the first 7, zeros after."""
+def test_worker_errors_mean_on_the_model_part_padded_anew(tmp_path, monkeypatch):
+    """d = 7 over 2 saved ranks (padded to 8): each new rank gets the mean of the first 7, zeros after, read from
+    the files 3 elements at a time (never a rank's whole entry)."""
     states = saved(tmp_path, [{"e": torch.arange(8.0)}, {"e": torch.arange(8.0) + 2}])
+    read, sizes = LazyTensor.read, []
+    monkeypatch.setattr(LazyTensor, "read", lambda self, rows=None: sizes.append(rows) or read(self, rows))
     out = resize.onebit_worker_errors([s["e"] for s in states], torch.zeros(9), _resize(states), "e")
     assert out.tolist() == [1, 2, 3, 4, 5, 6, 7, 0, 0]
+    assert sizes == [slice(0, 3)] * 2 + [slice(3, 6)] * 2 + [slice(6, 7)] * 2, sizes
 
 
 def test_walk_declared_paths_cover_their_subtrees_and_undeclared_differences_are_refused(tmp_path):
     trees = [{"params": torch.full((5,), float(r)), "extra": {"m": torch.full((5,), 2.0 * r), "step": 3,
                                                               "error": torch.full((5,), 3.0 * r)}} for r in range(2)]
     states = saved(tmp_path, trees)
-    fresh = {"params": torch.zeros(5), "extra": {"m": torch.zeros(5), "step": 0, "error": torch.zeros(5)}}
+    built = {"params": torch.zeros(5), "extra": {"m": torch.zeros(5), "step": 0, "error": torch.zeros(5)}}
     rules = {"params": resize.replica_mean, "extra": resize.replica_mean, "extra.error": resize.residual_mean}
-    out = resize.reshard_tree(states, fresh, _resize(states, fresh=fresh), rules)
+    out = resize.reshard_tree(states, built, _resize(states, built=built), rules)
     assert out["params"].tolist() == [0.5] * 5 and out["extra"]["m"].tolist() == [1.0] * 5
     assert out["extra"]["error"].tolist() == [1.5] * 5 and out["extra"]["step"] == 3
     with pytest.raises(ValueError, match=r"'extra\.m' differs across the saved ranks"):
-        resize.reshard_tree(states, fresh, _resize(states, fresh=fresh), {"params": resize.replica_mean})
+        resize.reshard_tree(states, built, _resize(states, built=built), {"params": resize.replica_mean})
 
 
 def test_a_rule_path_naming_no_entry_is_refused():

@@ -46,10 +46,10 @@ def _buffers(saved: list[dict], model: torch.nn.Module, rank: int, size: int):
     """The model's buffers from every saved rank's by :func:`~mpicomm.checkpoint.resize_rules.agreed_or_merged`."""
     from .resize_rules import Resize, agreed_or_merged, reshard_tree
 
-    fresh = {name: b.detach().clone() for name, b in model.named_buffers()}
-    if not fresh:
+    built = {name: b.detach().clone() for name, b in model.named_buffers()}
+    if not built:
         return {}
-    return reshard_tree(saved, fresh, Resize(saved, fresh, rank, size, "buffers"), {"": agreed_or_merged})
+    return reshard_tree(saved, built, Resize(saved, built, rank, size, "buffers"), {"": agreed_or_merged})
 
 
 def _read_whole(tree):

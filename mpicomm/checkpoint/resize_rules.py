@@ -2,7 +2,7 @@
 
 A checkpoint of N ranks resumed by M ranks gives every new rank the list of the N saved ``state_dict()``
 trees (old rank order; large tensors may be :class:`~mpicomm.checkpoint.tree.LazyTensor` leaves, read from
-the file a slice at a time) and the state it has itself right after construction at M ranks (``fresh``).
+the file a slice at a time) and the state it has itself right after construction at M ranks (``built``).
 The new state is built entry by entry (:func:`reshard_tree`). Each method declares its rules
 (:meth:`~mpicomm.algorithms.base.Algorithm._resize_rules`: dotted paths such as ``"extra.error"`` to a
 rule; a rule on a path covers the entries below it unless a longer path names its own), and
@@ -16,7 +16,7 @@ Rules applied to each entry below the path they are declared on:
 * :func:`replica_mean`: carried when identical, the average over the saved ranks when floating point (a
   decentralized method's replicas, momenta and optimizer state: a consensus restart);
 * :func:`own_rank`: a rank's own value (its random generator, per-rank counters): old rank r's for new rank
-  r < N, the freshly built one (seeded from the run's seed and the new rank) for r >= N;
+  r < N, the one built at the new size (seeded from the run's seed and the new rank) for r >= N;
 * :func:`agreed_or_merged`: the model's buffers (BatchNorm statistics): carried, averaged when floating
   point, else own.
 
@@ -60,10 +60,10 @@ SLICE_ELEMENTS = 1 << 22
 
 @dataclass
 class Resize:
-    """What a rule sees: the saved ranks' states, this rank's freshly built state and its place at the new size."""
+    """What a rule sees: the saved ranks' states, this rank's state as built at the new size and its place there."""
 
     states: list
-    fresh: dict
+    built: dict
     rank: int
     size: int
     name: str = "algorithm"
@@ -87,6 +87,8 @@ class Resize:
 
 
 Rule = Callable[[list, Any, Resize, str], Any]
+"""``rule(values, built_value, resize, path)``: the new value of the entry at ``path`` from the saved ranks'
+``values`` and this rank's ``built_value`` (the entry as built at the new size; None where it has none)."""
 
 
 def _leafwise(rule: Rule) -> Rule:
@@ -105,10 +107,10 @@ def _load(value):
     return value.read() if isinstance(value, LazyTensor) else value
 
 
-def _row_slices(value) -> Iterator[slice | None]:
-    """Slices of the first axis of about :data:`SLICE_ELEMENTS` elements each (None: the whole 0-d tensor)."""
-    shape = tuple(value.shape)
-    if not shape or shape[0] == 0:
+def _row_slices(shape: tuple) -> Iterator[slice | None]:
+    """Slices of the first axis of ``shape`` of about :data:`SLICE_ELEMENTS` elements each (None: the whole 0-d
+    tensor; none for an empty one)."""
+    if not shape:
         yield None
         return
     per_row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
@@ -141,7 +143,7 @@ def _identical_tensor(values: list):
     if any(not _tensorish(v) or v.dtype != first.dtype or tuple(v.shape) != tuple(first.shape) for v in values):
         return _DIFFERENT
     out = torch.empty(tuple(first.shape), dtype=first.dtype) if isinstance(first, LazyTensor) else first
-    for rows in _row_slices(first):
+    for rows in _row_slices(tuple(first.shape)):
         mine = _rows(first, rows)
         if any(not torch.equal(_bits(mine), _bits(_rows(v, rows))) for v in values[1:]):
             return _DIFFERENT
@@ -173,11 +175,13 @@ def _identical(values: list):
     return values[0] if all(_same(values[0], v) for v in values[1:]) else _DIFFERENT
 
 
-def _mean(values: list) -> torch.Tensor:
-    """The elementwise average of same-shaped tensors, summed in float64 a slice at a time, in their dtype."""
+def _mean(values: list, rows_kept: int | None = None) -> torch.Tensor:
+    """The elementwise average of same-shaped tensors (of their first ``rows_kept`` rows; None: all), summed in
+    float64 a slice at a time, in their dtype: the one summation of the rules."""
     first = values[0]
-    out = torch.empty(tuple(first.shape), dtype=first.dtype)
-    for rows in _row_slices(first):
+    shape = tuple(first.shape) if rows_kept is None else (rows_kept, *first.shape[1:])
+    out = torch.empty(shape, dtype=first.dtype)
+    for rows in _row_slices(shape):
         total = torch.zeros(out[rows].shape if rows is not None else out.shape, dtype=torch.float64)
         for v in values:
             total.add_(_rows(v, rows).to(torch.float64))
@@ -194,7 +198,7 @@ def _is_float(value) -> bool:
 
 # ------------------------------------------------------------------------------------ rules on each entry
 @_leafwise
-def agreed(values: list, fresh_value, resize: Resize, path: str):
+def agreed(values: list, built_value, resize: Resize, path: str):
     """An entry no rule covers: identical on every saved rank, carried exactly; else the resize is refused."""
     value = _identical(values)
     if value is not _DIFFERENT:
@@ -217,7 +221,7 @@ def _carried_or_averaged(values: list) -> tuple[bool, Any]:
 
 
 @_leafwise
-def replica_mean(values: list, fresh_value, resize: Resize, path: str):
+def replica_mean(values: list, built_value, resize: Resize, path: str):
     """Carried when identical; floating point: the average over the saved ranks (a consensus restart)."""
     done, value = resize.carried_or_averaged(path, values)
     if done:
@@ -227,85 +231,85 @@ def replica_mean(values: list, fresh_value, resize: Resize, path: str):
 
 
 @_leafwise
-def own_rank(values: list, fresh_value, resize: Resize, path: str):
-    """Old rank r's value for new rank r < N; the freshly built one otherwise (even ``None``: a generator not yet
-    drawn from), or the saved rank 0's where the freshly built state has no such entry."""
+def own_rank(values: list, built_value, resize: Resize, path: str):
+    """Old rank r's value for new rank r < N; the one built at the new size otherwise (even ``None``: a generator
+    not yet drawn from), or the saved rank 0's where the built state has no such entry."""
     if resize.rank < len(values):
         return _load(values[resize.rank])
-    if fresh_value is None and not _has_entry(resize.fresh, path):
+    if built_value is None and not _has_entry(resize.built, path):
         return _load(values[0])
-    return fresh_value
+    return built_value
 
 
 @_leafwise
-def agreed_or_merged(values: list, fresh_value, resize: Resize, path: str):
+def agreed_or_merged(values: list, built_value, resize: Resize, path: str):
     """The model's buffers: carried when identical on every saved rank, averaged when floating point, else own."""
     done, value = _carried_or_averaged(values)
-    return value if done else own_rank(values, fresh_value, resize, path)
+    return value if done else own_rank(values, built_value, resize, path)
 
 
 # ------------------------------------------------------------------------------------ rules on a whole entry
-def saved_rank0(values: list, fresh_value, resize: Resize, path: str):
+def saved_rank0(values: list, built_value, resize: Resize, path: str):
     """The saved rank 0's value."""
     return _load(values[0])
 
 
-def rebuilt_for_new_graph(values: list, fresh_value, resize: Resize, path: str):
+def rebuilt_for_new_graph(values: list, built_value, resize: Resize, path: str):
     """This rank's value as built at the new size (state the new graph re-derives)."""
-    return fresh_value
+    return built_value
 
 
-def _check_flat(values: list, fresh_value, resize: Resize, what: str) -> None:
-    """ValueError unless the saved and the fresh tensors have one shape (a flat, not per node shard, layout)."""
+def _check_flat(values: list, built_value, resize: Resize, what: str) -> None:
+    """ValueError unless the saved and the built tensors have one shape (a flat, not per node shard, layout)."""
     shapes = {tuple(v.shape) for v in values}
-    if len(shapes) != 1 or (fresh_value is not None and tuple(fresh_value.shape) not in shapes):
+    if len(shapes) != 1 or (built_value is not None and tuple(built_value.shape) not in shapes):
         raise ValueError(f"{resize.name}: its {what} has shapes {sorted(shapes)} in the checkpoint and "
-                         f"{tuple(fresh_value.shape)} here (a two-level exchange keeps it per node shard)")
+                         f"{tuple(built_value.shape)} here (a two-level exchange keeps it per node shard)")
 
 
-def residual_mean(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
+def residual_mean(values: list, built_value, resize: Resize, path: str) -> torch.Tensor:
     """A per-rank error-feedback residual: the mean over the saved ranks on every new rank (the mean, what the
     next steps still owe the model, is kept)."""
-    _check_flat(values, fresh_value, resize, "error-feedback residual")
+    _check_flat(values, built_value, resize, "error-feedback residual")
     return _mean(values)
 
 
-def public_copies(values: list, fresh_value, resize: Resize, path: str) -> list:
+def public_copies(values: list, built_value, resize: Resize, path: str) -> list:
     """CHOCO's / DCD's ``(x̂_i, sum_j W_ij x̂_j)`` per topology slot, re-derived for the new graph: every public
     copy is the new replica x̄, so each pair is ``(x̄, x̄)`` (rows of W sum to 1), consistent on every edge."""
-    if not fresh_value:
-        return fresh_value  # a lossless codec keeps no public copies
+    if not built_value:
+        return built_value  # a lossless codec keeps no public copies
     x = resize.mean_params()
-    for pair in fresh_value:
+    for pair in built_value:
         if pair.shape[-1] != x.numel():
             raise ValueError(f"{resize.name}: its public copies hold {pair.shape[-1]} elements, the model "
                              f"{x.numel()} (a two-level gossip keeps them per node shard)")
-    return [x.to(pair.dtype).expand_as(pair).clone() for pair in fresh_value]
+    return [x.to(pair.dtype).expand_as(pair).clone() for pair in built_value]
 
 
-def onebit_worker_errors(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
+def onebit_worker_errors(values: list, built_value, resize: Resize, path: str) -> torch.Tensor:
     """The 1-bit average's worker errors (padded to N chunks): their mean over the saved ranks on the model's d
     elements, on every new rank, padded to the new M chunks (the mean, what is still owed, is kept)."""
-    d = resize.fresh["params"].numel()
-    if any(v.numel() < d for v in values) or fresh_value.numel() < d:
+    d = resize.built["params"].numel()
+    if any(v.numel() < d for v in values) or built_value.numel() < d:
         raise ValueError(f"{resize.name}: its worker errors are shorter than the model (a two-level exchange "
                          "keeps them per node shard)")
-    out = torch.zeros_like(fresh_value)
-    out[:d] = _mean([_rows(v, slice(0, d)) for v in values]).to(out.dtype)
+    out = torch.zeros_like(built_value)
+    out[:d] = _mean(values, rows_kept=d).to(out.dtype)
     return out
 
 
-def onebit_server_errors(values: list, fresh_value, resize: Resize, path: str) -> torch.Tensor:
+def onebit_server_errors(values: list, built_value, resize: Resize, path: str) -> torch.Tensor:
     """The 1-bit average's server errors: old rank k served chunk k, so the saved chunks in rank order are the
     whole vector's server error; new rank r gets chunk r of it under the new ownership (chunks of M). Reads
     only the saved chunks that overlap the new one."""
-    d = resize.fresh["params"].numel()
+    d = resize.built["params"].numel()
     sizes = [v.numel() for v in values]
     if sum(sizes) < d:
         raise ValueError(f"{resize.name}: its server errors cover {sum(sizes)} elements, the model {d} (a "
                          "two-level exchange keeps them per node shard)")
-    chunk = fresh_value.numel()
-    out = torch.zeros(chunk, dtype=fresh_value.dtype, device=fresh_value.device)
+    chunk = built_value.numel()
+    out = torch.zeros(chunk, dtype=built_value.dtype, device=built_value.device)
     lo, hi = resize.rank * chunk, min((resize.rank + 1) * chunk, d)
     start = 0
     for value, size in zip(values, sizes):
@@ -322,7 +326,7 @@ def _lookup(tree, key):
     return tree.get(key) if isinstance(tree, dict) else None
 
 
-def reshard_tree(values: list, fresh_value, resize: Resize, rules: dict[str, Rule], path: str = "",
+def reshard_tree(values: list, built_value, resize: Resize, rules: dict[str, Rule], path: str = "",
                  inherited: Rule = agreed):
     """The new value of the entry at ``path`` from the saved ranks' ``values`` (its shape: the saved states').
 
@@ -331,18 +335,18 @@ def reshard_tree(values: list, fresh_value, resize: Resize, rules: dict[str, Rul
     rule = rules.get(path)
     if rule is not None:
         if not getattr(rule, "leafwise", False):
-            return rule(values, fresh_value, resize, path)
+            return rule(values, built_value, resize, path)
         inherited = rule
     if all(isinstance(v, dict) for v in values) and all(set(v) == set(values[0]) for v in values):
-        return {key: reshard_tree([v[key] for v in values], _lookup(fresh_value, key), resize, rules,
+        return {key: reshard_tree([v[key] for v in values], _lookup(built_value, key), resize, rules,
                                   f"{path}.{key}" if path else str(key), inherited) for key in values[0]}
     if all(isinstance(v, (list, tuple)) for v in values) and len({len(v) for v in values}) == 1 \
             and type(values[0]) in (list, tuple):
-        fresh_items = fresh_value if isinstance(fresh_value, (list, tuple)) else []
-        out = [reshard_tree([v[i] for v in values], fresh_items[i] if i < len(fresh_items) else None, resize,
+        built_items = built_value if isinstance(built_value, (list, tuple)) else []
+        out = [reshard_tree([v[i] for v in values], built_items[i] if i < len(built_items) else None, resize,
                             rules, f"{path}.{i}" if path else str(i), inherited) for i in range(len(values[0]))]
         return type(values[0])(out)
-    return inherited(values, fresh_value, resize, path)
+    return inherited(values, built_value, resize, path)
 
 
 def _child(node, key: str):
