@@ -31,7 +31,7 @@ from mpicomm.checkpoint import (
     save_checkpoint,
     store,
 )
-from mpicomm.comm import Communicator
+from mpicomm.comm import Communicator, World
 
 from .algo_common import batch, make_model, topologies_for
 from .conftest import run_all
@@ -143,7 +143,7 @@ def test_mismatches_raise_one_value_error_on_every_rank(comm, mpi_tmp_path):
         world = None
         if size > 1:  # the same checkpoint read by two smaller jobs
             sub = comm.Split(0 if rank == 0 else 1, rank)
-            smaller = Communicator(sub, topo.ring(sub.Get_size()))
+            smaller = World(sub)
             world = (sub.Get_size(), caught(lambda: load_checkpoint(root, smaller)))
             sub.Free()
         ok = load_checkpoint(root, c, expect=meta)[0]
@@ -285,7 +285,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(comm, mpi_tmp_
         after_crash = sorted(os.listdir(root))
         leftover = os.listdir(root / ".tmp-step-000000002")
         pointer = (root / "latest").read_text()
-        alone = Communicator(MPI.COMM_SELF, topo.ring(1))
+        alone = World(MPI.COMM_SELF)
         state, meta = load_checkpoint(root, alone)
         p3 = save_checkpoint(root, alone, {"y": 1}, step=3)
 

@@ -1,8 +1,8 @@
 """The checkpoint's collective agreement: every rank raises the first failing rank's error, or all go on.
 
 The ranks talk through ``comm.allgather_object`` only (small Python objects): ``comm`` is a
-:class:`~mpicomm.comm.Communicator`, or any object with ``rank``, ``size`` and ``allgather_object(obj, what)``
-(:func:`mpicomm.comm.world`'s). This package never speaks MPI itself.
+:class:`~mpicomm.comm.Communicator` or a :class:`~mpicomm.comm.World`, or any object with ``rank``, ``size`` and
+``allgather_object(obj, what)``. This package never speaks MPI itself.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ WHAT = "the checkpoint's agreement"
 def control(comm):
     """``comm`` itself when it has what the store gathers with; else a TypeError saying what it must be."""
     if not all(hasattr(comm, a) for a in ("rank", "size", "allgather_object")):
-        raise TypeError("comm must be a Communicator or mpicomm.comm.world() (an object with rank, size and "
-                        f"allgather_object), got {type(comm).__name__}")
+        raise TypeError("comm must be a Communicator or a World (mpicomm.comm.world()): an object with rank, size and "
+                        f"allgather_object, got {type(comm).__name__}")
     return comm
 
 
