@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpicomm import topology as topo
-from mpicomm.comm import Communicator, raise_together
+from mpicomm.comm import Communicator, World, as_world, raise_together
 from mpicomm.ledger import ANY
 
 from .conftest import run_all
@@ -224,13 +224,31 @@ def test_topology_size_mismatch_is_one_clear_error(comm):
     run_all(comm, body)
 
 
-def test_raise_together_names_the_failing_rank(comm):
+@pytest.mark.parametrize("kind", ["mpi4py", "World"])
+def test_raise_together_names_the_failing_rank(comm, kind):
     def body():
         n = comm.Get_size()
         bad = n - 1
         local = ValueError("lr must be > 0") if comm.Get_rank() == bad else None
+        over = comm if kind == "mpi4py" else World(comm)
         with pytest.raises(ValueError, match=f"rank {bad}: ValueError: lr must be > 0"):
-            raise_together(comm, local)
-        raise_together(comm, None)  # no error anywhere: returns on every rank
+            raise_together(over, local)
+        raise_together(over, None)  # no error anywhere: returns on every rank
+
+    run_all(comm, body)
+
+
+def test_the_world_wraps_mpi4py_agrees_on_objects_and_builds_a_communicator(comm):
+    def body():
+        n, me = comm.Get_size(), comm.Get_rank()
+        world = as_world(comm)
+        assert isinstance(world, World) and as_world(world) is world and world.comm is comm
+        assert (world.rank, world.size) == (me, n)
+        assert world.allgather_object({"rank": me, "sq": me * me}, "a test") == [{"rank": r, "sq": r * r}
+                                                                                  for r in range(n)]
+        built = Communicator(world, topo.complete(n))
+        assert built.comm is comm and (built.rank, built.size) == (me, n)
+        assert built.in_neighbors() == tuple(r for r in range(n) if r != me)
+        assert as_world(built) is built  # a Communicator already has rank, size and allgather_object
 
     run_all(comm, body)
