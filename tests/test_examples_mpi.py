@@ -1,4 +1,5 @@
-"""The library as users meet it: ``examples/`` and the README's snippet, run in-process on the 2-rank tier.
+"""The library as users meet it: ``examples/`` and the snippets of the README and docs/library.md, run in-process
+on the 2-rank tier.
 
 Each example must do what it says: the plain loop's Moniqua reaches the accuracy of full-precision
 gossip on the digits, the Hugging Face classifier learns its task, and the resumed run ends bit for bit
@@ -57,14 +58,15 @@ def test_resume_example_ends_where_the_uninterrupted_run_does(comm, tmp_path_fac
     assert_all(comm, torch.equal(straight, resumed), f"max diff {float((straight - resumed).abs().max())}")
 
 
-def test_the_readme_library_snippet_runs(comm):
-    """The first ``python`` block of README.md, as written: it must run and train."""
+@pytest.mark.parametrize("page", ["README.md", "docs/library.md"])
+def test_the_library_snippet_runs(comm, page):
+    """The first ``python`` block of the page, as written: it must run and train."""
     _two_ranks(comm)
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, page)) as f:
         block = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
     scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
-    assert_all(comm, "algo" in scope and scope["algo"].step_count > 0, "the snippet trained no step")
+    exec(compile(block, page, "exec"), scope)  # noqa: S102 - the page's own example
+    assert_all(comm, "algo" in scope and scope["algo"].step_count > 0, f"the snippet of {page} trained no step")
 
 
 def _algo(comm, name="dpsgd", optimizer=True):
