@@ -129,6 +129,23 @@ def test_the_app_momentum_gives_way_to_an_inner_adamw_unless_typed():
     assert parse("--inner-optimizer", "adamw", "--momentum=0.5").momentum == 0.5
 
 
+def test_a_chosen_method_keeps_the_shared_options_its_config_accepts():
+    """Adam's config wants momentum 0 (beta1 is its momentum): the shared momentum is left out, the rest kept;
+    APMSqueeze without its warm-up length refuses its own options alone, so it gets everything (its own error
+    then names what is missing); an inner AdamW takes no momentum either."""
+    from mpicomm.training.options import accepted_options, accepts
+
+    shared = {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}
+    assert accepted_options("allreduce_sgd", {}, shared) == shared
+    assert accepted_options("allreduce_adam", {}, shared) == {"lr": 0.01, "weight_decay": 0.1}
+    assert accepted_options("apmsqueeze", {"total_steps": 100}, shared) == {"total_steps": 100, "lr": 0.01,
+                                                                            "weight_decay": 0.1}
+    assert accepted_options("apmsqueeze", {}, shared) == shared
+    assert accepted_options("diloco", {"inner_optimizer": "adamw"}, {"momentum": 0.9}) == {"inner_optimizer": "adamw"}
+    assert accepts(ALGORITHMS["d2"].config_class, {"lr": 0.5}) and not accepts(ALGORITHMS["d2"].config_class,
+                                                                                 {"momentum": 0.9})
+
+
 ADAM_TYPE = ["allreduce_adam", "apmsqueeze", "zeroone_adam", "signsgd"]  # steps of about lr per coordinate
 LAMB_TYPE = ["lamb", "onebit_lamb"]  # steps of lr times each layer's norm
 

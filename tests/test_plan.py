@@ -42,12 +42,14 @@ def test_known_models_have_their_published_parameter_counts():
     assert numel(layers_from_params(3 * 2**20 + 5)) == 3 * 2**20 + 5
 
 
-def test_resnet20_shapes_are_the_apps_model():
-    sys.path.insert(0, os.path.join(ROOT, "apps"))
-    from models.resnet import build_model
+def test_resnet20_shapes_are_the_model_the_apps_train_and_the_planner_times():
+    from mpicomm.models.resnet import build_model
+
+    from .app_runs import app_module
 
     model = build_model("resnet20")
     assert [tuple(p.shape) for p in model.parameters()] == [layer.shape for layer in layers_for_model("resnet20")]
+    assert app_module("train_resnet").build_model is build_model  # the app trains the library's model
 
 
 # ------------------------------------------------------------------ bytes: the library's own sizes
@@ -198,7 +200,7 @@ def test_cli_prints_the_ranked_table_and_the_choice(capsys):
     assert "335,174,458 parameters, 16 ranks" in out and "docs/results/scale.json" in out
     lines = out.splitlines()
     header = next(line for line in lines if line.lstrip().startswith("#"))
-    for column in ("bits/param", "MB/step", "comm ms", "exposed ms", "step ms", "speed-up", "acc. cost"):
+    for column in ("bits/param", "MB/step", "comm ms", "overlapped ms", "step ms", "speed-up", "acc. cost"):
         assert column in header
     assert sum(1 for line in lines if line.split() and line.split()[0].isdigit()) == len(CANDIDATES)
     assert any(line.startswith("auto: ") for line in lines) and "unmeasured" in out
@@ -232,3 +234,39 @@ def test_measured_codec_costs_are_positive_and_small():
 
     encode, decode = _pair(QSGDCodec(4, 512), torch.randn(4096))
     assert 0 < encode < 1e-5 and 0 < decode < 1e-5
+
+
+# ------------------------------------------------------------------ --measure: the step timer
+def test_the_step_timer_leaves_out_the_warm_up_and_takes_the_median(monkeypatch):
+    """Passes of 100 (the warm-up), 1, 3 and 2 clock seconds: the median of the last three is 2."""
+    from mpicomm.plan import measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    ran = []
+
+    def one(seconds):
+        def run():
+            ran.append(seconds)
+            clock[0] += seconds
+        return run
+
+    assert measure.median_pass_seconds([one(100.0), one(1.0), one(3.0), one(2.0)]) == 2.0
+    assert ran == [100.0, 1.0, 3.0, 2.0]
+    assert measure.median_pass_seconds([one(5.0)]) == 0.0  # a warm-up alone times nothing
+
+
+def test_measure_builds_the_library_s_resnet20_without_touching_the_import_path():
+    from mpicomm.plan.measure import measure_step_time
+
+    before = list(sys.path)
+    assert measure_step_time("resnet20", 2, repeats=1) > 0
+    assert sys.path == before
+
+
+def test_measuring_bert_without_transformers_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    assert main(["plan", "--model", "bert-base", "--ranks", "2", "--net", "gbit", "--measure", "--no-codec-work"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("mpicomm plan: error: --measure bert-base: BERT models need "
+                                              "transformers") and "pip install 'mpicomm[apps]'" in err, err

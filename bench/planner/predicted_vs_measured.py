@@ -84,7 +84,7 @@ def measure_case(cand: Candidate, ranks: int, setting: str, steps: int, layers, 
     return {"candidate": cand.key, "algorithm": cand.algorithm, "setting": cand.setting, "overlap": overlap,
             "measured_ms": 1e3 * split["step_s"], "predicted_ms": 1e3 * pred.step_s,
             "compute_ms": 1e3 * split["compute_s"], "comm_ms": 1e3 * split["comm_s"], "wait_ms": 1e3 * split["wait_s"],
-            "predicted_comm_ms": 1e3 * pred.exposed_overlap_s if overlap else 1e3 * pred.exposed_s,
+            "predicted_comm_ms": 1e3 * pred.exposed_overlap_s if overlap else 1e3 * pred.comm_s,
             "predicted_work_ms": 1e3 * pred.work_s, "ratio": pred.step_s / split["step_s"],
             "accuracy_points": pred.accuracy.points if pred.accuracy.measured else None, "prediction": pred,
             "command": run.command}

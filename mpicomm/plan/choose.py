@@ -2,29 +2,23 @@
 
 Shared by the apps' ``--algorithm auto`` (:mod:`mpicomm.training.auto`) and the library's
 ``mpicomm.wrap(model, optimizer, "auto", step_time=...)``. The network is the given ``--net`` setting or a
-probe of the real transport: the median of 20 allreduces of 8 bytes gives the latency and of 5 allreduces
-of 4 MiB the bandwidth, read through the same ring-allreduce formula the planner prices with
-(:class:`~mpicomm.net.CostModel`). Rank 0 ranks the candidates on the model's real parameter shapes and
+probe of the real transport (:func:`mpicomm.comm.probe.probe_network`: the median of 20 allreduces of 8 bytes
+gives the latency and of 5 allreduces of 4 MiB the bandwidth, read through the same ring-allreduce formula the
+planner prices with; ``fast`` on one rank). Rank 0 ranks the candidates on the model's real parameter shapes and
 takes the fastest whose measured accuracy cost is within the tolerance; every rank gets its choice as a
 record (the choice, its options, why, what was measured, the five fastest predictions, what was left out).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import numpy as np
 import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.centralized.adam import AdamConfig
 from ..comm import raise_together
-from ..net import NetSpec
+from ..comm.probe import probe_network
 
-__all__ = ["accepted_options", "plan_choice"]
-
-_PROBE_SMALL, _PROBE_LARGE = 8, 4 << 20  # bytes of the latency and the bandwidth probes' allreduces
+__all__ = ["plan_choice"]
 
 
 def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolerance: float, *, batch_size: int = 32,
@@ -39,7 +33,7 @@ def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolera
     ``ValueError`` (one line, every rank) when no measured candidate is within ``tolerance``.
     """
     if not net:
-        net, net_source = _probe_network(comm), "probed"
+        net, net_source = str(probe_network(comm) or "fast"), "probed"
     ranks_per_node = comm.node_layout(require_equal=False).local_size
     record, refusal = None, ""
     if comm.rank == 0:  # one rank plans (codec costs are timed where none are cached), every rank follows
@@ -81,51 +75,3 @@ def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, ste
             "fastest": [{"candidate": p.candidate.key, "step_s": p.step_s,
                          "accuracy_points": p.accuracy.points if p.accuracy.measured else None}
                         for p in preds[:5]]}
-
-
-def _probe_network(comm) -> str:
-    """Collective: the transport's latency and bandwidth as a ``--net`` setting (``fast`` on one rank)."""
-    n = comm.size
-    if n == 1:
-        return "fast"
-    hops = 2 * (n - 1)
-
-    def median_allreduce(nbytes: int, repeats: int) -> float:
-        buf = np.zeros(nbytes // 4, dtype=np.float32)
-        out = np.empty_like(buf)
-        comm.comm.Allreduce(buf, out)  # warm-up: connections, buffers
-        times = []
-        for _ in range(repeats):
-            comm.comm.Barrier()
-            t0 = time.perf_counter()
-            comm.comm.Allreduce(buf, out)
-            times.append(time.perf_counter() - t0)
-        return max(comm.allgather_object(statistics.median(times), "the network probe"))
-
-    small, large = median_allreduce(_PROBE_SMALL, 20), median_allreduce(_PROBE_LARGE, 5)
-    alpha = small / hops
-    seconds = max(large - hops * alpha, 1e-9)
-    bytes_per_s = hops / n * _PROBE_LARGE / seconds
-    return str(NetSpec(8 * bytes_per_s, alpha))
-
-
-def accepted_options(algorithm: str, own: dict, shared: dict) -> dict:
-    """The chosen method's options: the candidate's ``own``, and each of the ``shared`` ones (lr, momentum, …)
-    its config accepts (an Adam-type method refuses momentum: its default stays). A config that refuses
-    ``own`` alone (it needs an option the caller must give) gets everything, for its own error to name."""
-    config_class = ALGORITHMS[algorithm].config_class
-
-    def valid(options: dict) -> bool:
-        try:
-            config_class(**options)
-        except (ValueError, TypeError):
-            return False
-        return True
-
-    kept = dict(own)
-    if not valid(kept):
-        return {**kept, **shared}
-    for key, value in shared.items():
-        if valid({**kept, key: value}):
-            kept[key] = value
-    return kept

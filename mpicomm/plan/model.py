@@ -112,7 +112,6 @@ class Prediction:
     bits_per_param: float
     comm_s: float
     work_s: float
-    exposed_s: float
     exposed_overlap_s: float
     step_s: float
     compute_s: float
@@ -125,7 +124,7 @@ class Prediction:
     def overlap_helps(self) -> bool:
         """Whether ``overlap=True`` hides something: the method can overlap and its overlapped figure is the
         smaller (what the automatic choice passes to ``mpicomm.wrap``)."""
-        return bool(self.candidate.overlap) and self.exposed_overlap_s < self.exposed_s
+        return bool(self.candidate.overlap) and self.exposed_overlap_s < self.comm_s
 
     @property
     def sent_per_step(self) -> float:
@@ -180,7 +179,7 @@ def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Predicti
         candidate=cand, period=period,
         contributed_per_sync=sum(op.contributed() for op in ops), sent_per_sync=sum(op.sent(n) for op in ops),
         bits_per_param=8 * sum(op.contributed() for op in ops) / period / job.numel,
-        comm_s=comm, work_s=work, exposed_s=comm, exposed_overlap_s=exposed, step_s=step,
+        comm_s=comm, work_s=work, exposed_overlap_s=exposed, step_s=step,
         compute_s=job.step_time, throughput=n * job.batch_size / step, efficiency=job.step_time / step,
         accuracy=accuracy.get(cand.key, UNMEASURED))
 

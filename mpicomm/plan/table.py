@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["format_plan"]
 
-_HEAD = ("#", "method", "setting", "bits/param", "MB/step", "comm ms", "exposed ms", "overlapped ms", "codec ms",
+_HEAD = ("#", "method", "setting", "bits/param", "MB/step", "comm ms", "overlapped ms", "codec ms",
          "step ms", "speed-up", "samples/s", "scaling eff.", "acc. cost (points)")
 
 
@@ -17,7 +17,7 @@ def _row(i: int, p, sources: list[str]) -> tuple[str, ...]:
     else:
         acc = "unmeasured"
     return (str(i), c.algorithm, c.setting, f"{p.bits_per_param:.2f}", f"{p.sent_per_step / 1e6:.3f}",
-            f"{1e3 * p.comm_s:.2f}", f"{1e3 * p.exposed_s:.2f}",
+            f"{1e3 * p.comm_s:.2f}",
             f"{1e3 * p.exposed_overlap_s:.2f}" if c.overlap else "-", f"{1e3 * p.work_s:.2f}",
             f"{1e3 * p.step_s:.2f}", f"{p.speedup:.2f}x", f"{p.throughput:,.0f}", f"{100 * p.efficiency:.0f} %", acc)
 
@@ -39,8 +39,9 @@ def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") ->
     lines.append("")
     lines += [f"[{i}] docs/results/{s}" for i, s in enumerate(sources, 1)]
     lines.append("MB/step: bytes sent per step and rank (the Ledger's count), averaged over a period; "
-                 "exposed: communication not hidden; overlapped: with overlap=True (buckets sent as backward, 2/3 "
-                 "of the compute, makes them ready; gossip hidden behind the whole step); the step takes the smaller.")
+                 "comm: communication per step, all exposed without overlap; overlapped: what stays exposed with "
+                 "overlap=True (buckets sent as backward, 2/3 of the compute, makes them ready; gossip hidden behind "
+                 "the whole step); the step takes the smaller.")
     if choice is not None:
         c = choice.candidate
         options = ", ".join(f"{k}={v!r}" for k, v in c.options.items())

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import random
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -35,10 +34,11 @@ from ..algorithms import ALGORITHMS
 from ..algorithms.base import AlgorithmConfig
 from ..comm import raise_together
 from ..net import parse_net
-from ..plan.choose import accepted_options, plan_choice
+from ..plan.choose import plan_choice
+from ..plan.measure import median_pass_seconds
 from .device import to_device
 from .metrics import read_metrics
-from .options import add_config_options
+from .options import accepted_options, add_config_options
 
 __all__ = ["AUTO", "add_auto_options", "choose_algorithm"]
 
@@ -113,15 +113,12 @@ def _step_time(task, comm) -> float:
     states = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
     buffers = [b.detach().clone() for b in model.buffers()]
     batches = list(itertools.islice(task.train_batches(0, 0), 4))
-    times = []
-    for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
+
+    def one(batch) -> None:
         loss, _ = task.loss(model, to_device(batch, device))
         loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+
+    mine = median_pass_seconds([functools.partial(one, batch) for batch in batches], device)
     torch.random.set_rng_state(states[0])
     np.random.set_state(states[1])
     random.setstate(states[2])
@@ -129,5 +126,4 @@ def _step_time(task, comm) -> float:
         for buffer, saved in zip(model.buffers(), buffers):
             buffer.copy_(saved)
     model.zero_grad(set_to_none=True)
-    mine = statistics.median(times) if times else 0.0
     return max(comm.allgather_object(mine, "the step-time measurement"))

@@ -15,9 +15,9 @@ import re
 from ..algorithms import ALGORITHMS
 from ..algorithms.registry import default_lr, lr_family
 
-__all__ = ["APP_DEFAULTS", "APP_OPTIONS", "LR_WITHOUT_MOMENTUM", "add_algorithm_options", "add_config_options",
-           "app_lr", "config_kwargs", "field_help", "foreign_option", "key_values", "number_or_word",
-           "settle_app_defaults"]
+__all__ = ["APP_DEFAULTS", "APP_OPTIONS", "LR_WITHOUT_MOMENTUM", "accepted_options", "accepts",
+           "add_algorithm_options", "add_config_options", "app_lr", "config_kwargs", "field_help", "foreign_option",
+           "key_values", "number_or_word", "settle_app_defaults"]
 
 
 def number_or_word(text: str):
@@ -116,8 +116,8 @@ def app_lr(name: str, options: dict | None = None) -> float:
     """The apps' default ``--lr`` for algorithm ``name`` with config ``options``: the library's
     :func:`~mpicomm.algorithms.registry.default_lr`, or :data:`LR_WITHOUT_MOMENTUM` for an SGD-type method that
     refuses the apps' momentum or is given none (:data:`APP_OPTIONS`)."""
-    if lr_family(name, options) == "sgd" and (APP_OPTIONS.get(name, {}).get("momentum") == 0.0 or not _accepts(
-            ALGORITHMS[name], {"momentum": APP_DEFAULTS["momentum"]})):
+    if lr_family(name, options) == "sgd" and (APP_OPTIONS.get(name, {}).get("momentum") == 0.0 or not accepts(
+            ALGORITHMS[name].config_class, {"momentum": APP_DEFAULTS["momentum"]})):
         return LR_WITHOUT_MOMENTUM
     return default_lr(name, options)
 
@@ -127,12 +127,8 @@ def _app_default(config_class, field: dataclasses.Field, overrides: dict):
     config accepts it, else the config's."""
     if field.name in overrides:
         return overrides[field.name]
-    if field.name in APP_DEFAULTS:
-        try:
-            config_class(**{field.name: APP_DEFAULTS[field.name]})
-            return APP_DEFAULTS[field.name]
-        except (ValueError, TypeError):
-            pass
+    if field.name in APP_DEFAULTS and accepts(config_class, {field.name: APP_DEFAULTS[field.name]}):
+        return APP_DEFAULTS[field.name]
     return _default(field)
 
 
@@ -211,25 +207,36 @@ def settle_app_defaults(args: argparse.Namespace, name: str, argv: list[str]) ->
     algorithm's other options refuse it and accept the library's (``--inner-optimizer adamw`` takes no
     momentum: 0 then), and an untyped ``--lr`` the :func:`app_lr` of the options given (``--inner-optimizer
     adamw``: Adam's). A value typed in ``argv`` is kept, so a real contradiction still gets its error."""
-    cls = ALGORITHMS[name]
     typed = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
     if "--lr" not in typed and hasattr(args, "lr"):
         args.lr = app_lr(name, config_kwargs(args, name))
-    fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
+    fields = {f.name: f for f in dataclasses.fields(ALGORITHMS[name].config_class)}
     for key, value in APP_DEFAULTS.items():
         if key not in fields or "--" + key.replace("_", "-") in typed or getattr(args, key, None) != value:
             continue
-        options = config_kwargs(args, name)
-        if _accepts(cls, options):
-            continue
-        library = _default(fields[key])
-        if _accepts(cls, {**options, key: library}):
-            setattr(args, key, library)
+        others = {k: v for k, v in config_kwargs(args, name).items() if k != key}
+        if key not in accepted_options(name, others, {key: value}):
+            setattr(args, key, _default(fields[key]))
 
 
-def _accepts(cls, options: dict) -> bool:
+def accepts(config_class, options: dict) -> bool:
+    """Whether the config dataclass ``config_class`` takes ``options`` (its checks raise no error)."""
     try:
-        cls.config_class(**options)
+        config_class(**options)
     except (ValueError, TypeError):
         return False
     return True
+
+
+def accepted_options(name: str, own: dict, shared: dict) -> dict:
+    """Algorithm ``name``'s options: ``own``, and each of the ``shared`` ones (lr, momentum, …) its config accepts
+    beside them, in order (an Adam-type method refuses momentum: its default stays). A config that refuses
+    ``own`` alone (it needs an option the caller must give) gets everything, for its own error to name."""
+    config_class = ALGORITHMS[name].config_class
+    kept = dict(own)
+    if not accepts(config_class, kept):
+        return {**kept, **shared}
+    for key, value in shared.items():
+        if accepts(config_class, {**kept, key: value}):
+            kept[key] = value
+    return kept
