@@ -18,14 +18,18 @@ the last round.
 
 A rank never runs further past the last round than the budget left (the steps all ranks still owe): once
 its own steps would use it up, it waits for the round under the hang guard, so a stuck or lost rank is
-still caught and no rank trains on past the run's end alone.
+still caught and no rank trains on past the run's end alone. That is the only wait, and it comes at the
+end: a rank that waited for round r joins round r + 1 with at least the budget its steps used up, so the
+counts of round r + 1 make up the run (no count ever shrinks) and the run ends at round r or r + 1.
+:attr:`SharedSteps.waited` lists the rounds a rank waited for. The rounds themselves are
+:class:`mpicomm.comm.rounds.CountRounds`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from ..comm.rounds import CountRounds
 
 __all__ = ["ASYNC_ONLY", "Round", "SharedSteps"]
 
@@ -47,19 +51,20 @@ class SharedSteps:
 
     ``start``: the run's step it begins at (a resumed run's); ``total``: the run's last step. Call
     :meth:`took_step` after each of this rank's steps, then :meth:`poll`; after a round that did not end
-    the run, :meth:`post` the next one. :meth:`close` (collective) frees the private communicator.
+    the run, :meth:`post` the next one. :meth:`close` (collective) gathers every rank's waits into
+    :attr:`waited_by_rank` and frees the private communicator.
     """
 
     def __init__(self, comm, start: int, total: int):
-        self.size, self.guard = comm.size, comm.guard
+        self.comm, self.size = comm, comm.size
         self.start, self.owed = start, comm.size * (total - start)
         self.mine = 0  # this rank's steps since this run began
         self.known = 0  # every rank's steps together, as of the last round
         self.by_rank = [0] * self.size  # each rank's steps since this run began, as of the last round
-        self._comm = comm.comm.Dup()
-        self._send = np.zeros(2, dtype=np.int64)
-        self._recv = np.zeros((self.size, 2), dtype=np.int64)
-        self._request = None
+        self.rounds = 0  # rounds completed (the first is posted here, with every count 0)
+        self.waited: list[int] = []  # the rounds (1, 2, ...) this rank waited for: its budget was used up
+        self.waited_by_rank: list[list[int]] = []  # every rank's ``waited``, gathered by close()
+        self._rounds = CountRounds(comm, 2)
         self.post(0)
 
     def took_step(self) -> None:
@@ -68,28 +73,27 @@ class SharedSteps:
 
     def post(self, signum: int | None) -> None:
         """Join the next round with this rank's count and its pending stop signal (0 or None: none)."""
-        assert self._request is None, "a round is still open"
-        self._send[:] = (self.mine, signum or 0)
-        self._request = self._comm.Iallgather(self._send, self._recv)
+        self._rounds.post((self.mine, signum or 0))
 
     def poll(self) -> Round | None:
         """The round that completed since the last call, or None while it is still open (no wait, unless
         this rank's steps since it joined would use up the budget left: then it waits for the others)."""
-        if self._request is None:
+        rounds = self._rounds
+        if not rounds.open:
             return None
-        ahead = self.mine - int(self._send[0])
+        ahead = self.mine - int(rounds.sent[0])
         if ahead >= self.owed - self.known:
-            with self.guard.waiting("the free-running ranks' step count (a rank is far behind)"):
-                self._request.Wait()
-        elif not self._request.Test():
+            self.waited.append(self.rounds + 1)
+            rounds.wait("the free-running ranks' step count (a rank is far behind)")
+        elif not rounds.test():
             return None
-        self._request = None
-        self.by_rank = [int(c) for c in self._recv[:, 0]]
+        self.rounds += 1
+        self.by_rank = [int(c) for c in rounds.received[:, 0]]
         self.known = sum(self.by_rank)
-        return Round(self.start + self.known // self.size, int(self._recv[:, 1].max()))
+        return Round(self.start + self.known // self.size, int(rounds.received[:, 1].max()))
 
     def close(self) -> None:
-        """Free the private communicator (its last round has completed on every rank by then)."""
-        if self._request is None and self._comm is not None:
-            self._comm.Free()
-            self._comm = None
+        """Collective, after the last round has completed on every rank: gather every rank's waits, free the
+        private communicator."""
+        self.waited_by_rank = self.comm.allgather_object(self.waited, "the free-running ranks' waits")
+        self._rounds.free()
