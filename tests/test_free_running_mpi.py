@@ -1,10 +1,11 @@
 """Free running (``--free-running``): an asynchronous method's ranks step at their own pace and share the run.
 
-Run in-process by the apps' ``main`` on the 2-rank tier, rank 1 made 4x slower (``--slow-ranks 1:4``). In
-lockstep both ranks take exactly the run's steps; free running, the fast rank takes more than the slow
-one, together they take at least ``size x total``, every rank-wide event (evaluation, checkpoint, stop,
-end) lands at the same run step on both, and a stopped run resumes to the end. A synchronous method is
-refused in one line.
+Run in-process by the apps' ``main`` on the 2-rank tier, rank 1 made 4x slower (``--slow-ranks 1:4``). What
+the pace guarantees whatever the OS grants each rank: no rank waits for a round before the run's last two
+(a pace that waited every round would), together the ranks take at least ``size x`` the steps the run owes,
+every rank-wide event (evaluation, checkpoint, stop, end) lands at the same run step on both, and a stopped
+run resumes to the end. How many of the steps each rank takes is the scheduler's, not asserted (the pace's
+own rule, deterministically: tests/test_pace_mpi.py). A synchronous method is refused in one line.
 """
 
 import json
@@ -37,7 +38,7 @@ def main():
     return app_module("train_resnet").main
 
 
-def test_the_fast_rank_takes_more_steps_and_events_agree(comm, main, tmp_path_factory, capsys):
+def test_no_rank_waits_before_the_end_and_events_agree(comm, main, tmp_path_factory, capsys):
     out = comm.bcast(str(tmp_path_factory.mktemp("free")) if comm.Get_rank() == 0 else None)
     args = [*BASE, "--algorithm", "adpsgd", "--out-dir", out, "--save-every", "8"]
     first = main([*args, "--stop-at-step", "12"])
@@ -55,12 +56,14 @@ def test_the_fast_rank_takes_more_steps_and_events_agree(comm, main, tmp_path_fa
             problems.append(f"stop/resume records: {stopped} {resumed}")
         if end["event"] != "end" or end["step"] != 24:
             problems.append(f"the run did not end at step 24: {end}")
-        fast, slow = end.get("steps_by_rank", (0, 0))
+        counts, rounds = end.get("steps_by_rank", [0, 0]), end.get("rounds", 0)
         owed = 2 * (24 - resumed[0]["step"]) if resumed else 0
-        if not fast > slow:
-            problems.append(f"the fast rank took {fast} steps, the slow one {slow}: lockstep, not free running")
-        if not owed <= fast + slow < owed + 24:
-            problems.append(f"the ranks took {fast} + {slow} steps of the {owed} the resumed run owed")
+        early = [(rank, r) for rank, rs in enumerate(end.get("waited_rounds_by_rank", [])) for r in rs
+                 if r < rounds - 1]
+        if early or len(end.get("waited_rounds_by_rank", [])) != 2:
+            problems.append(f"(rank, round) waits before the last two of {rounds} rounds: {early}; end record {end}")
+        if not sum(counts) >= owed:
+            problems.append(f"the ranks took {counts} steps of the {owed} the resumed run owed")
         if evals != sorted(evals) or evals[-1] != 24 or any(s // 8 == t // 8 for s, t in zip(evals, evals[1:])):
             problems.append(f"evaluations at steps {evals}: one after each multiple of 8, and at the end")
         if not saves or saves[-1] != 24:
