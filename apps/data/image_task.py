@@ -40,7 +40,8 @@ class ImageTask:
                  seed: int, dirichlet_alpha: float = 0.0, augment_images: bool = True, eval_limit: int = 0):
         check_sizes(batch_size, eval_limit)
         self.model, self.data = model, data
-        self.rank, self.batch_size, self.seed, self.augment = rank, batch_size, seed, augment_images
+        self.rank, self.batch_size, self.seed = rank, batch_size, seed
+        self.augment = augment_images and data.augmentable
         self.indices = shard_indices(data.y_train, rank, size, seed, dirichlet_alpha)
         self.steps_per_epoch = len(data.y_train) // (size * batch_size)
         if self.steps_per_epoch < 1:
