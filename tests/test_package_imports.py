@@ -1,5 +1,7 @@
-"""The package's boundaries, read from its source: no import cycle (deferred imports included), mpi4py only
-in ``mpicomm/comm/``, and no private codec module imported from outside ``mpicomm/codecs/``."""
+"""The package's boundaries, read from its source: no import cycle (deferred imports included), mpi4py and the
+raw MPI communicator only in ``mpicomm/comm/``, nothing imported from the apps, no private codec module imported
+from outside ``mpicomm/codecs/``, ``algorithms/`` holding only its family packages at the top, and no module
+longer than a newcomer can read (500 lines)."""
 
 from __future__ import annotations
 
@@ -86,22 +88,68 @@ def test_no_import_cycle():
     assert cycles(without_ancestors(graph())) == []
 
 
-def test_mpi4py_only_in_comm():
+MPI_METHODS = {"Get_rank", "Get_size", "Barrier", "Dup", "Free", "Split", "Abort", "Allreduce", "Allgather",
+               "Iallgather", "Iallreduce", "Bcast", "Alltoall", "Isend", "Irecv", "Send", "Recv", "Test", "Wait",
+               "Waitall", "Testall", "Win", "Create_dist_graph_adjacent"}
+"""mpi4py's spellings of the calls on a raw communicator or request (the Communicator's are lower case)."""
+
+
+def root_modules(tree: ast.AST) -> set[str]:
+    """The first component of every absolute import in ``tree``."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add((node.module or "").split(".")[0])
+    return out
+
+
+def test_mpi_only_in_comm():
     offenders = []
     for name, path in modules().items():
         if name.startswith("mpicomm.comm"):
             continue
+        tree = ast.parse(path.read_text())
+        if "mpi4py" in root_modules(tree):
+            offenders.append(f"{name} imports mpi4py")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if node.attr in MPI_METHODS:
+                offenders.append(f"{name} calls .{node.attr} (line {node.lineno})")
+            inner = node.value
+            if node.attr == "comm" and (isinstance(inner, ast.Attribute) and inner.attr == "comm"
+                                        or isinstance(inner, ast.Name) and inner.id == "comm"):
+                offenders.append(f"{name} reaches the raw communicator (line {node.lineno})")
+    assert offenders == []
+
+
+def test_the_library_never_imports_the_apps():
+    apps = {p.stem for p in (ROOT.parent / "apps").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+            or p.is_dir()} | {"apps"}
+    offenders = []
+    for name, path in modules().items():
         source = path.read_text()
         tree = ast.parse(source)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "mpi4py" for a in node.names):
-                offenders.append(name)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mpi4py":
-                offenders.append(name)
-            if isinstance(node, ast.Attribute) and node.attr == "comm" and isinstance(node.value, ast.Attribute) \
-                    and node.value.attr == "comm":
-                offenders.append(f"{name} (.comm.comm)")
+        hits = root_modules(tree) & apps
+        paths = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and (n.value == "apps" or n.value.startswith("apps/"))]
+        if hits or (paths and "sys.path" in source):  # apps/ put on sys.path to import from it
+            offenders.append(f"{name}: {sorted(hits) + paths}")
     assert offenders == []
+
+
+def test_algorithms_top_holds_only_families_base_and_registry():
+    top = ROOT / "algorithms"
+    loose = sorted(p.name for p in top.iterdir() if p.suffix == ".py" and p.name not in ("__init__.py", "registry.py"))
+    assert loose == []
+    assert (top / "base" / "__init__.py").is_file()
+
+
+def test_no_module_over_500_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}
 
 
 def test_private_codec_modules_stay_inside_codecs():
