@@ -121,11 +121,11 @@ class CheckpointState:
         names = {s.get("algorithm") for s in states}
         if names != {self.name}:
             raise ValueError(f"states are for algorithm(s) {sorted(map(str, names))}, this is {self.name!r}")
-        fresh = self.state_dict()
+        built = self.state_dict()  # as built at this world size: the shapes and the own-rank values
         rules = self._resize_rules()
-        check_rule_paths(self.name, rules, fresh)
-        resize = Resize(states, fresh, self.comm.rank, self.comm.size, self.name)
-        return reshard_tree(states, fresh, resize, rules)
+        check_rule_paths(self.name, rules, built)
+        resize = Resize(states, built, self.comm.rank, self.comm.size, self.name)
+        return reshard_tree(states, built, resize, rules)
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         """Restore :meth:`_extra_state`; override and call super()."""
