@@ -3,10 +3,13 @@
 usage: mpiexec -n 4 python -m mpi4py tests/adpsgd_job.py OUT.json [SECONDS] [SLEEP]
 
 For each configuration every rank trains the non-IID least-squares problem of ``lsq_problem``. The
-last rank sleeps ``SLEEP`` seconds after every step and takes SECONDS / SLEEP steps (about SECONDS of
-wall time, more on a loaded machine); the other ranks step until it is done (a non-blocking barrier it
-joins last), however many steps that lets them take. So the slow rank's work is fixed and the fast
-ranks' count shows whether they waited for it, whatever the load. Then all ranks meet and measure:
+last rank is held first: it takes no step until every other rank has taken as many steps as it will take
+in all (a non-blocking barrier the fast ranks join once they have), which a method whose step waited for
+it would never allow (``ahead_while_held``: whether they got there within HELD_S seconds; after that the
+slow rank goes on anyway, so the job ends either way). Then the last rank sleeps ``SLEEP`` seconds after
+every step and takes SECONDS / SLEEP steps (about SECONDS of wall time, more on a loaded machine); the
+other ranks step until it is done (a non-blocking barrier it joins last), however many steps that lets
+them take. So the slow rank's work is fixed, whatever the load. Then all ranks meet and measure:
 steps per rank, F(x̄) - F* relative to F(x_0) - F*, the same of each rank's own model, the consensus
 distance and the bytes read. Then each
 rank checks its own state round trip (state_dict -> fresh algorithm -> load_state_dict: same parameters,
@@ -27,6 +30,8 @@ from mpicomm import topology  # noqa: E402
 from mpicomm.algorithms import make_algorithm  # noqa: E402
 from mpicomm.comm import Communicator  # noqa: E402
 from tests import lsq_problem as lsq  # noqa: E402
+
+HELD_S = 60.0  # only to end a hang: how long the held rank waits for the others to get ahead of it
 
 CONFIGS = [  # label, name, options, share of SECONDS
     ("adpsgd", "adpsgd", {}, 1.0),
@@ -54,18 +59,28 @@ def run(comm, label: str, name: str, options: dict, seconds: float, sleep: float
     ring = topology.ring(n)
     algo = make_algorithm(name, lsq.make_model(), Communicator(comm, ring), lr=0.1, **options)
     comm.Barrier()
-    steps = 0
+    steps, slow_steps, ahead_while_held = 0, max(1, round(seconds / sleep)), False
     if rank == n - 1:
-        while steps < max(1, round(seconds / sleep)):
+        ahead = comm.Ibarrier()  # completes once every other rank has taken slow_steps steps
+        deadline = time.monotonic() + HELD_S
+        while not ahead_while_held and time.monotonic() < deadline:
+            ahead_while_held = ahead.Test()
+            time.sleep(0.01)
+        while steps < slow_steps:
             lsq.train(algo, 1)
             steps += 1
             time.sleep(sleep)
         comm.Ibarrier().Wait()
+        ahead.Wait()
     else:
+        lsq.train(algo, slow_steps)  # while the slow rank is held: no step of it to wait for
+        steps = slow_steps
+        ahead = comm.Ibarrier()
         slow_done = comm.Ibarrier()  # completes once the slow rank has taken all its steps
         while not slow_done.Test():
             lsq.train(algo, 1)
             steps += 1
+        ahead.Wait()
     stats = algo.stats()
     comm.Barrier()
     f0, fstar = lsq.objective(torch.zeros(lsq.D), n), lsq.objective(lsq.optimum(n), n)
@@ -84,6 +99,7 @@ def run(comm, label: str, name: str, options: dict, seconds: float, sleep: float
         "name": name,
         "options": options,
         "steps": comm.allgather(steps),
+        "ahead_while_held": comm.bcast(ahead_while_held, root=n - 1),
         "gap": gap,
         "consensus_distance": spread,
         "own_gaps": comm.allgather(lsq.relative_gap(algo.flat.data, n)),

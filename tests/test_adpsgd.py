@@ -3,11 +3,9 @@
 The serial test launches ``tests/adpsgd_job.py`` under ``mpiexec -n 4 python -m mpi4py`` (which aborts the
 whole job if a rank fails) with ``MPIR_CVAR_ASYNC_PROGRESS=1``, as any run of these algorithms should; the
 job's own transport is shared memory (all ranks on one node), which needs no MPI progress at all. The last
-rank sleeps 100 ms after each of its 25 steps (the guard row: 8), about 2.5 s; the other ranks step until
-it is done, so what is measured does not depend on how loaded the machine is. (With 20 ms, a load average
-of 13 on 2 cores left the fast ranks only 2.5x the slow rank's steps: they need CPU to step, the slow rank
-mostly sleeps. A Moniqua step on this 12-parameter model costs about 4 ms against AD-PSGD's 1 ms, all
-per-call overhead: at 50 ms the fast Moniqua ranks managed only 3.0-3.9x under load, so 100 ms.)
+rank is held until each other rank has taken 25 steps (the guard row: 8), then sleeps 100 ms after each of
+its own 25 steps, about 2.5 s; the other ranks step until it is done. How many steps the fast ranks take
+meanwhile is the OS scheduler's (a busy machine once gave [65, 294, 295, 25]), so no ratio is asserted.
 
 Rows: ``adpsgd``; Moniqua-AD-PSGD at 8 bits on every coordinate (``8bit``), at its defaults (4 bits on a
 rotating quarter, dither, theta per tensor: ``default``), in the paper's form (1 bit, one theta, nearest:
@@ -41,7 +39,8 @@ def job(tmp_path_factory):
     env = dict(os.environ, MPIR_CVAR_ASYNC_PROGRESS="1", OMP_NUM_THREADS="1")
     cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", os.path.join(HERE, "adpsgd_job.py"), str(out), "2.5",
            "0.1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    # a bound only to catch a hang: the job took 56-93 s at a load average of 20 on 2 cores
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
@@ -57,10 +56,12 @@ ROWS = ["adpsgd", "8bit", "default", "paper"]
 
 @pytest.mark.parametrize("label", ROWS)
 def test_fast_ranks_are_not_held_back_by_the_slow_one(job, label):
-    """(a) While the slow rank takes its steps (100 ms asleep after each), each fast rank takes at least 3x as many
-    (a lockstep implementation would give them the same count)."""
-    steps = results(job, label)["steps"]
-    assert min(steps[:-1]) >= 3 * steps[-1], steps
+    """(a) While the slow rank takes no step at all, every fast rank takes as many steps as the slow one will take
+    in all: a step that waited for the slow rank (a lockstep or bounded-staleness implementation) would never
+    get there, and the held rank's wait ends after 60 s with ``ahead_while_held`` false."""
+    row = results(job, label)
+    assert row["ahead_while_held"] is True, row
+    assert min(row["steps"][:-1]) >= row["steps"][-1], row["steps"]
 
 
 ALONE_PAPER = ("the 1-bit paper form ends exactly where ranks that never communicate end (own models' gap equal to "
