@@ -42,6 +42,10 @@ charged by a modelled network (``--net``). Each step's time is split into comput
 ``train_s`` in eval events is rank 0's cumulative time inside training steps (no evaluation, logging
 or checkpoints): the x-axis of time-to-accuracy. The end event adds rank 0's clock totals
 (``net_blocked_s``, ``net_slept_s``, ``net_modelled_s``; see :class:`~mpicomm.net.NetClock`).
+
+This module holds :func:`run_training` and the step loop; the options and the :class:`Task` protocol are
+:mod:`.config`'s (importable from here too), the run's state around the loop (resume, the start record,
+checkpoints, evaluation) :mod:`.run`'s, the free-running rounds :mod:`.pace`'s.
 """
 
 from __future__ import annotations
