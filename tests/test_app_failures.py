@@ -116,6 +116,8 @@ def test_resuming_with_another_world_size_continues_at_that_size(saved_run, tmp_
     proc = launch(3, "train_resnet.py", _args(4, run, "--resume", "step-2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {run / 'step-000000002'} at step 2 of 4 (saved at 2 ranks, continued at 3)" in proc.stdout
+    assert "the global batch is now 3/2 of the saved run's at the same learning rate (--lr-scaling linear" \
+        in proc.stdout, proc.stdout[-2000:]
     resize = [r for r in strict_records(run / "metrics.jsonl") if r["event"] == "resize"]
     assert [(r["old_size"], r["new_size"], r["step"]) for r in resize] == [(2, 3, 2)]
 

@@ -110,6 +110,9 @@ class Run:
         if self.lr_factor != 1.0:
             resized += f"; learning rate x {self.lr_factor:g} (--lr-scaling linear: {self.size} ranks, " \
                        f"the run began at {self.started_ranks})"
+        elif resumed.resized_from and cfg.lr_scaling == "none":
+            resized += (f"; the global batch is now {self.size}/{resumed.resized_from} of the saved run's at the same "
+                        "learning rate (--lr-scaling linear scales the rate with the ranks)")
         self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}{resized}")
         return resumed
 
