@@ -6,7 +6,7 @@
 #   scripts/test.sh                         every tier (what CI runs)
 #   scripts/test.sh mpi-3 slurm             only the tiers named: lint serial mpi-1 mpi-2 mpi-3 mpi-4
 #                                           gpu-check-cpu slurm
-#   scripts/test.sh quick                   the loop after an edit (~2 min): lint, the pure modules, one MPI
+#   scripts/test.sh quick                   the loop after an edit (~25 s on 2 idle cores): lint, the pure modules, one MPI
 #                                           file per family at 2 ranks
 #   scripts/test.sh serial -k resume        arguments after the tier names go to pytest
 #
