@@ -58,6 +58,13 @@ def _step(algo, model, weights):
     algo.step()
 
 
+def _moved(algo, model, weights):
+    """Take one :func:`_step` and return the (used rows', unused rows') displacement it made (:func:`_moves`)."""
+    before = model.weight.detach().clone()
+    _step(algo, model, weights)
+    return _moves(before, model.weight.detach())
+
+
 def _weights(used, unused):
     return torch.where(USED, torch.tensor(float(used)), torch.tensor(float(unused)))
 
@@ -99,10 +106,7 @@ def test_apmsqueeze_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(c
         big_f = (FLOOR if floor is None else floor) * s / 2
         c = 1 - B1**warmup                    # m of a used row after the warm-up, along w
         for t in range(1, warmup + 4):
-            weights = _weights_at(t, warmup, c)
-            before = model.weight.detach().clone()
-            _step(algo, model, weights)
-            used, unused = _moves(before, model.weight.detach())
+            used, unused = _moved(algo, model, _weights_at(t, warmup, c))
             if t <= warmup:
                 want = -LR if paper else -LR * (1 - B1**t) / math.sqrt(1 - B2**t)
                 _close(used, want, f"step {t}, a used row")
@@ -127,9 +131,7 @@ def test_zeroone_adam_rows_first_used_on_a_compressed_step_move_by_lr_over_the_f
                               var_freeze_step=10, var_update_scaler=1)
         m_used, m_unused, v_used, v_unused = 0.0, 0.0, 0.0, 0.0
         for t in range(1, 5):
-            before = model.weight.detach().clone()
-            _step(algo, model, _weights(1, 0) if t < 3 else _weights(1, 1))
-            used, unused = _moves(before, model.weight.detach())
+            used, unused = _moved(algo, model, _weights(1, 0) if t < 3 else _weights(1, 1))
             assert algo.last_kind == ("compressed" if t == 3 else "variance")
             m_used = B1 * m_used + (1 - B1)
             if t >= 3:
@@ -164,10 +166,7 @@ def test_onebit_lamb_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(
         big_f = FLOOR * s / 2
         c = 1 - B1**freeze
         for t in range(1, freeze + 4):
-            weights = _weights_at(t, freeze, c)
-            before = model.weight.detach().clone()
-            _step(algo, model, weights)
-            used, unused = _moves(before, model.weight.detach())
+            used, unused = _moved(algo, model, _weights_at(t, freeze, c))
             if t <= freeze:
                 assert unused == 0.0 and used < 0
                 continue
