@@ -1,5 +1,7 @@
-"""D² and Moniqua-D²: pure-torch references, identity == D² bit for bit, exact optimum on non-IID data, state."""
+"""D² and Moniqua-D²: pure-torch references, identity == D² bit for bit, exact optimum on non-IID data, state,
+and the consensus step that keeps D²'s condition on a ring of 4."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,9 +18,20 @@ from .test_moniqua_mpi import message_bytes
 pytestmark = pytest.mark.mpi
 
 
+def condition_gamma(schedule, default: float) -> float:
+    """D²'s consensus step on ``schedule`` when none is given, as the paper's condition reads: ``default`` if the
+    mixing (1 - default) I + default W keeps its smallest eigenvalue above -1/3, else the step that puts it at 0;
+    a time-varying or asymmetric graph keeps ``default``."""
+    if schedule.period != 1 or not np.allclose(schedule.at(0).W, schedule.at(0).W.T, atol=0.0):
+        return default
+    lam = np.linalg.eigvalsh(schedule.at(0).W).min()
+    return default if 1 - default * (1 - lam) > -1 / 3 + 1e-9 else 1 / (1 - lam)
+
+
 def reference_d2(schedule, steps, lr, weight_decay=0.0, bits=None, parts=1, gamma=1.0, theta=None, c=1.0,
                  per="tensor", rounding="dither"):
-    """D² for every rank at once; mixing by W (bits=None) or by Moniqua's mixing of x_{k+1/2}."""
+    """D² for every rank at once; mixing by (1 - gamma) I + gamma W (bits=None) or by Moniqua's mixing of
+    x_{k+1/2}."""
     n = schedule.size
     x = initial_flat().repeat(n, 1)
     x_prev = g_prev = None
@@ -33,7 +46,7 @@ def reference_d2(schedule, steps, lr, weight_decay=0.0, bits=None, parts=1, gamm
         x_prev, g_prev = x, g
         W = mixing(schedule, t)
         if bits is None:
-            x = W @ half
+            x = half + gamma * (W @ half - half)
             continue
         if t == 0:
             rule.observe(half, lr * g)
@@ -50,17 +63,19 @@ def test_d2_matches_reference(comm):
             c = Communicator(comm, schedule)
             algo = make_algorithm("d2", make_model(seed=comm.Get_rank()), c, lr=0.1, weight_decay=1e-2)
             train(algo, 5)
-            expected = reference_d2(schedule, 5, 0.1, weight_decay=1e-2)[c.rank]
+            gamma = condition_gamma(schedule, 1.0)
+            assert algo.stats()["gamma"] == pytest.approx(gamma), schedule.name
+            expected = reference_d2(schedule, 5, 0.1, weight_decay=1e-2, gamma=gamma)[c.rank]
             torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-5, msg=schedule.name)
 
     run_all(comm, body)
 
 
 @pytest.mark.parametrize("bits,parts,gamma,theta,per,rounding", [
-    (4, 4, 1.0, None, "tensor", "dither"),  # moniqua's default (moniqua_d2's sends every part: parts=1)
+    (4, 4, None, None, "tensor", "dither"),  # moniqua's default (moniqua_d2's sends every part: parts=1)
     (1, 1, 0.2, 1.0, "model", "nearest"),   # the paper's form, fixed theta
     (2, 2, 0.5, None, "model", "dither"),
-    (4, 4, 1.0, "observed", "tensor", "dither"),
+    (4, 4, None, "observed", "tensor", "dither"),
 ])
 def test_moniqua_d2_matches_reference(comm, bits, parts, gamma, theta, per, rounding):
     def body():
@@ -73,7 +88,8 @@ def test_moniqua_d2_matches_reference(comm, bits, parts, gamma, theta, per, roun
                                   parts=parts, gamma=gamma, theta_per=per, rounding=rounding, **options)
             train(algo, 5)
             assert algo.stats()["wrapped_parts"] == 0, schedule.name
-            expected = reference_d2(schedule, 5, 0.1, bits=bits, parts=parts, gamma=gamma, theta=theta, per=per,
+            settled = condition_gamma(schedule, 1.0) if gamma is None else gamma  # bits 4: Moniqua's default 1
+            expected = reference_d2(schedule, 5, 0.1, bits=bits, parts=parts, gamma=settled, theta=theta, per=per,
                                     rounding=rounding)[comm_.rank]
             torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-5, msg=schedule.name)
 
@@ -84,7 +100,7 @@ def test_identity_moniqua_d2_is_d2_bit_for_bit(comm):
     def body():
         for schedule in topologies_for(comm.Get_size()):
             runs = []
-            for name, extra in (("d2", {}), ("moniqua_d2", dict(bits=32, parts=1, gamma=1.0))):
+            for name, extra in (("d2", {}), ("moniqua_d2", dict(bits=32, parts=1))):
                 algo = make_algorithm(name, make_model(seed=comm.Get_rank()), Communicator(comm, schedule), lr=0.05,
                                       weight_decay=1e-3, **extra)
                 for lr in (0.05, 0.05, 0.03, 0.02, 0.02):
@@ -182,5 +198,33 @@ def test_momentum_is_a_config_error_on_every_rank(comm, name):
         c = Communicator(comm, topologies_for(comm.Get_size())[0])
         with pytest.raises(ValueError, match=r"momentum must be 0 for D²"):
             make_algorithm(name, make_model(), c, momentum=0.9)
+
+    run_all(comm, body)
+
+
+def test_ring_of_four_reaches_consensus_in_one_step(comm):
+    """The uniform ring of 4 has eigenvalue -1/3 on (+1, -1, +1, -1), where D²'s recursion keeps a root at -1: with
+    W alone (gamma 1) ranks starting at +1, -1, +1, -1 with zero gradients are at -1/3, +1/3, ... after one step
+    and never agree. The settled gamma 3/4 mixes with I/4 + 3 W/4, whose eigenvalue there is 0: by hand, rank
+    i's value is 1/2 (+-1) + 1/4 (-+1) + 1/4 (-+1) = 0 after one step, and stays 0. A gamma that breaks the
+    condition is refused on every rank."""
+    def body():
+        if comm.Get_size() != 4:
+            return
+        for name in ("d2", "moniqua_d2"):
+            c = Communicator(comm, topologies_for(4)[0])
+            options = dict(bits=32, parts=1) if name == "moniqua_d2" else {}
+            model = make_model()
+            algo = make_algorithm(name, model, c, lr=0.1, broadcast_init=False, **options)
+            assert algo.stats()["gamma"] == pytest.approx(0.75), name
+            algo.flat.data.fill_(1.0 if c.rank % 2 == 0 else -1.0)
+            for step in range(6):
+                algo.zero_grad()
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+                algo.step()
+                assert float(algo.flat.data.abs().max()) < 1e-6, (name, step)
+            with pytest.raises(ValueError, match=r"gamma=1\.0 breaks D²'s condition on ring\(4\).*-0\.3333"):
+                make_algorithm(name, make_model(), c, lr=0.1, gamma=1.0, **options)
 
     run_all(comm, body)

@@ -24,14 +24,13 @@ def models(seed: int, closeness: float) -> tuple[torch.Tensor, torch.Tensor]:
     return xj, xj + (torch.rand(53, generator=g) * 2 - 1) * bound
 
 
-def test_config_takes_moniquas_options_and_refuses_resync_and_observed_theta():
+def test_config_takes_moniquas_options_and_refuses_resync():
     paper = MoniquaADPSGDConfig(bits=1, parts=1, theta_per="model", rounding="nearest")
     assert paper.gamma == 0.5 and MoniquaADPSGDConfig().guard == "skip"
     assert (MoniquaADPSGDConfig().bits, MoniquaADPSGDConfig().parts) == (4, 4)
     with pytest.raises(ValueError, match="guard must be one of .*'skip', 'raise'.* for moniqua_adpsgd"):
         MoniquaADPSGDConfig(guard="resync")
-    with pytest.raises(ValueError, match="theta='observed' is not available for moniqua_adpsgd"):
-        MoniquaADPSGDConfig(theta="observed")
+    assert MoniquaADPSGDConfig().theta == "observed" and MoniquaADPSGDConfig(theta="adaptive").theta == "adaptive"
 
 
 def test_header_layout():

@@ -9,6 +9,9 @@ Exit status (the same on every rank):
   checkpoint or the metrics could not be written (disk full); the last good checkpoint is named;
 * 1: an unexpected exception on some rank: the whole job is aborted, with that rank's traceback;
 * 4: a rank waited longer than ``--hang-timeout`` in a collective (one line names it and the step);
+* 5: trained to the end, but the last evaluation's averaged model (the score the run reports) scored far
+  below every rank's own model: the ranks drifted apart and the score is not a trained model's
+  (:func:`~.reporting.drifted`); the checkpoint keeps every rank's own model;
 * 128 + N: stopped by signal N outside a requeueing job, after committing a checkpoint (or, when the
   signal found a rank blocked in a collective it could not leave, at once and without one).
 
@@ -35,6 +38,7 @@ from ..errors import TrainingStopped, agreed_of
 from .arguments import OptionRefused, derived_options, parse_app_args, run_settings, setup_run
 from .console import Console
 from .loop import run_training
+from .reporting import drifted
 from .resume import AppSettings, comparing_app_settings
 
 __all__ = ["EXIT_REFUSED", "EXIT_STOPPED", "REQUEUE_MARKER", "run_app"]
@@ -142,4 +146,9 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
     if summary["stopped_by_signal"]:
         requeued = _mark_for_requeue(console, cfg.out_dir, summary["step"])
         return 0 if requeued else 128 + summary["stopped_by_signal"]
+    reason = drifted(summary)
+    if reason:
+        console.error(f"{reason}; the reported score is not a trained model's (lower --lr, a better-connected "
+                      "--topology, or more bits would keep the ranks together)")
+        return 5
     return 0

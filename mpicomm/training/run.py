@@ -18,7 +18,7 @@ from .console import Console
 from .metrics import MetricsWriter
 from .pace import SharedSteps
 from .precision import Precision
-from .reporting import Progress, eval_line, evaluate
+from .reporting import Progress, drifted, eval_line, evaluate
 from .resume import Resumed, resolve_resume, restore_run
 from .rundir import RunLock, claim_out_dir
 from .schedule import LRSchedule
@@ -213,8 +213,13 @@ class Run:
             record["epoch"] = epoch
         if self.pace is not None:
             record["steps_by_rank"] = self.pace.by_rank  # free running: each rank's own steps so far
+        reason = drifted(result)
+        if reason:
+            record["drifted"] = True
         self.metrics.write(record)
         self.console.info(eval_line(self.step, self.total, result))
+        if reason:
+            self.console.warning(f"step {self.step}: {reason}")
         return result
 
     def _give_up(self, verdict, step: int) -> None:

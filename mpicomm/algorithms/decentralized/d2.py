@@ -7,7 +7,14 @@ of step k, W the mixing matrix of ``comm.topology(k)``)::
 
     x_{1/2}     = x_0 - alpha_0 g_0                                          (first step)
     x_{k+1/2}   = 2 x_k - x_{k-1} - alpha_k g_k + alpha_{k-1} g_{k-1}        (later steps)
-    x_{k+1}     = sum_j W_ij x_{j,k+1/2}                                     (``gossip_average``)
+    x_{k+1}     = x_{k+1/2} + gamma sum_j W_ij (x_{j,k+1/2} - x_{i,k+1/2})     (``gossip_average``)
+
+That is, mixing with M = (1 - gamma) I + gamma W. D²'s analysis asks for a symmetric W whose smallest
+eigenvalue exceeds -1/3: then every mode of x_{k+1} = M (2 x_k - x_{k-1}) but the average contracts, and
+at -1/3 one root of r^2 - 2 lambda r + lambda is -1 (a disagreement that oscillates forever). The uniform
+ring on an even number n >= 4 of ranks sits exactly at -1/3, so ``gamma`` (None: auto) is 1 where the
+graph meets the condition and ``1 / (1 - lambda_min(W))`` where it does not (M's smallest eigenvalue is then
+0); a given gamma that breaks it is refused (:func:`d2_gamma`).
 
 Keeping alpha_{k-1} makes learning-rate schedules exact. With a user optimizer its update d_k takes the
 place of -alpha_k g_k. Extra memory: x_{k-1} and g_{k-1}. No momentum (a configuration error).
@@ -21,24 +28,31 @@ holds for Moniqua-D²).
 ``hierarchical`` (auto: on over several nodes of several ranks) mixes x_{k+1/2} in two levels, the node's
 exact average and then one gossip round on the graph of nodes (``node_topology``), as D-PSGD does
 (:mod:`~mpicomm.algorithms.shared.hierarchy`): D² with the mixing matrix ``W_nodes ⊗ (1/L) 1 1ᵀ``, symmetric
-and doubly stochastic with the eigenvalues of ``W_nodes`` and zeros. D²'s analysis asks for a symmetric
-doubly stochastic W whose smallest eigenvalue exceeds -1/3; the two-level matrix has that of ``W_nodes``
-(and zeros), so the condition moves from the graph of ranks to the graph of nodes.
+and doubly stochastic with the eigenvalues of ``W_nodes`` and zeros, so the condition (and gamma) moves from
+the graph of ranks to the graph of nodes. A time-varying or asymmetric graph is outside the analysis and
+not checked (gamma auto: 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
+import numpy as np
 import torch
 
 from ...checkpoint.resize_rules import rebuilt_for_new_graph
 from ...codecs import chunk_elems, chunk_ranges
-from ..base import Algorithm, AlgorithmConfig, clone_optimizer_state
+from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from ..shared.gossip import gossip_average
 from ..shared.hierarchy import NodeGraphConfig, node_gossip_for
 
-__all__ = ["D2", "D2Config", "check_no_momentum"]
+__all__ = ["D2", "D2Config", "D2_EIGENVALUE_BOUND", "check_no_momentum", "d2_gamma"]
+
+D2_EIGENVALUE_BOUND = -1.0 / 3.0
+"""D²'s condition: the mixing matrix's smallest eigenvalue must exceed this (Tang et al. 2018)."""
+
+_MARGIN = 1e-9
 
 
 def check_no_momentum(config: AlgorithmConfig) -> None:
@@ -47,13 +61,55 @@ def check_no_momentum(config: AlgorithmConfig) -> None:
         raise ValueError(f"momentum must be 0 for D² (its update has no momentum term), got {config.momentum!r}")
 
 
+def _smallest_eigenvalue(graph) -> Union[float, None]:
+    """lambda_min(W) of a fixed symmetric graph (a Topology, or a Schedule of period 1); None for any other."""
+    if getattr(graph, "period", 1) != 1:
+        return None
+    topo = graph.at(0) if hasattr(graph, "at") else graph
+    if not topo.is_symmetric(tol=1e-12):
+        return None
+    return float(np.linalg.eigvalsh(topo.W).min())
+
+
+def d2_gamma(gamma: Union[float, None], default: float, graph) -> float:
+    """The consensus step D² mixes with on ``graph`` (``(1 - gamma) I + gamma W``, see the module's docstring).
+
+    ``gamma`` given: returned, or ``ValueError`` if the mixing's smallest eigenvalue is -1/3 or below. None:
+    ``default`` where it meets the condition, else ``1 / (1 - lambda_min(W))``. A time-varying or asymmetric
+    graph is not checked (``gamma``, or ``default``)."""
+    lam = _smallest_eigenvalue(graph)
+    if lam is None:
+        return default if gamma is None else gamma
+
+    def smallest(g: float) -> float:
+        return 1.0 - g * (1.0 - lam)
+
+    if gamma is None:
+        return default if smallest(default) > D2_EIGENVALUE_BOUND + _MARGIN else 1.0 / (1.0 - lam)
+    if smallest(gamma) <= D2_EIGENVALUE_BOUND + _MARGIN:
+        raise ValueError(f"gamma={gamma!r} breaks D²'s condition on {graph.name}: the mixing (1 - gamma) I + gamma W "
+                         f"has smallest eigenvalue {smallest(gamma):.4f}, and D² needs it above -1/3 (at or below, "
+                         f"the ranks' disagreement stops shrinking); use gamma < {(4.0 / 3.0) / (1.0 - lam):.4f}, or "
+                         f"leave it unset (auto: {1.0 / (1.0 - lam):.4f} on this graph)")
+    return gamma
+
+
 @dataclass(frozen=True)
 class D2Config(NodeGraphConfig):
-    """D² options: those of every algorithm, hierarchical and node_topology; momentum must stay 0."""
+    """D² options: those of every algorithm, hierarchical and node_topology; momentum must stay 0.
+
+    gamma: consensus step in (0, 1], D² mixes with (1 - gamma) I + gamma W; None (auto): 1 where W's smallest
+    eigenvalue exceeds -1/3, else 1 / (1 - lambda_min(W)) (the uniform ring on an even number >= 4 of ranks:
+    3/4). A gamma that breaks D²'s condition on the run's graph is refused when the algorithm is built.
+    """
+
+    gamma: Union[float, None] = None
 
     def __post_init__(self):
         super().__post_init__()
         check_no_momentum(self)
+        if self.gamma is not None:
+            check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
 
 
 class D2(Algorithm):
@@ -73,6 +129,15 @@ class D2(Algorithm):
         self.started = False
         self._chunk = chunk_elems(x.device)
         self.node_gossip = node_gossip_for(self.config, comm, x.numel(), x)
+        self.gamma = d2_gamma(self.config.gamma, self._default_gamma(), self._mixing_graph())
+
+    def _default_gamma(self) -> float:
+        """gamma where the graph meets D²'s condition and none was given: 1 (plain gossip)."""
+        return 1.0
+
+    def _mixing_graph(self):
+        """The graph D² mixes on: the graph of nodes when hierarchical, else the run's."""
+        return self.comm.schedule if self.node_gossip is None else self.node_gossip.graph.schedule
 
     def _step(self, grad: torch.Tensor) -> None:
         self._decayed(grad)
@@ -92,13 +157,18 @@ class D2(Algorithm):
         self._mix(x, direction, lr)
 
     def _mix(self, x: torch.Tensor, direction: torch.Tensor, lr: float) -> None:
-        """x_{k+1} = sum_j W_ij x_{j,k+1/2}, exactly as D-PSGD mixes (in two levels when hierarchical)."""
+        """x_{k+1} = x_{k+1/2} + gamma sum_j W_ij (x_{j,k+1/2} - x_{i,k+1/2}), as D-PSGD mixes at gamma = 1 (in two
+        levels when hierarchical)."""
         if self.node_gossip is not None:
-            self.node_gossip.mix(x, self.step_count)
+            self.node_gossip.mix(x, self.step_count, self.gamma)
             return
         topo = self.comm.topology(self.step_count)
         rows = self.comm.neighbor_allgather(x, step=self.step_count)
-        gossip_average(x, rows, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank))
+        gossip_average(x, rows, topo.self_weight(self.comm.rank), topo.neighbor_weights(self.comm.rank), self.gamma)
+
+    def stats(self):
+        """Base stats plus the consensus step gamma."""
+        return {**super().stats(), "gamma": self.gamma}
 
     def _swap(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Exchange the contents of ``a`` and ``b`` through one chunk-sized temporary."""

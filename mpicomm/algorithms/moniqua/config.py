@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Union
+from typing import ClassVar, Union
 
 from ...codecs.moniqua import ROUNDINGS
 from ..base import AlgorithmConfig, check_bool, check_range
@@ -55,6 +55,9 @@ class MoniquaConfig(AlgorithmConfig):
     theta_cap: float = 16.0
     guard: str = "skip"
 
+    gamma_from_graph: ClassVar[bool] = False
+    """True where the algorithm settles gamma=None against the run's graph (Moniqua-D²), not from ``bits`` here."""
+
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.bits, bool) or self.bits not in (*MODULO_BITS, IDENTITY_BITS):
@@ -68,9 +71,10 @@ class MoniquaConfig(AlgorithmConfig):
         if self.rounding == "stochastic" and self.bits == 1:
             raise ValueError("rounding='stochastic' needs bits >= 2 (at 1 bit B_theta is infinite); "
                              "rounding='dither' gives a zero-mean error without a dead zone at 1 bit")
-        if self.gamma is None:
+        if self.gamma is None and not self.gamma_from_graph:
             object.__setattr__(self, "gamma", default_gamma(self.bits))
-        check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
+        if self.gamma is not None:
+            check_range("gamma", self.gamma, lo=0.0, hi=1.0, lo_open=True)
         if self.theta not in THETA_RULES and (isinstance(self.theta, bool) or not isinstance(self.theta, Real)
                                               or not (math.isfinite(self.theta) and self.theta > 0)):
             raise ValueError(f"theta must be 'adaptive', 'observed' or a finite number > 0, got {self.theta!r}")

@@ -25,13 +25,13 @@ of x_{k+1/2}, which holds -alpha_k g_k, so the message can only be encoded after
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..decentralized.d2 import D2, check_no_momentum
 from ..shared.hierarchy import NodeGraphConfig
-from .config import MoniquaConfig
+from .config import MoniquaConfig, default_gamma
 from .gossip import ModuloGossip
 from .node import NodeModuloGossip
 
@@ -48,9 +48,13 @@ class MoniquaD2Config(NodeGraphConfig, MoniquaConfig):
     mixed with W one step in P and with I the P - 1 others follows a recursion whose consensus error grows (per
     step by 1.32x over a cycle at P = 4 on 2 ranks, where W's second eigenvalue is 0), so P > 1 diverges on a
     well-mixed graph.
+
+    gamma: None (auto) is Moniqua's default for ``bits`` (0.5 at 1-2 bits, else 1) where (1 - gamma) I + gamma W
+    meets D²'s condition (smallest eigenvalue above -1/3), else 1 / (1 - lambda_min(W)) (see ``d2``).
     """
 
     parts: int = 1
+    gamma_from_graph = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -66,11 +70,16 @@ class MoniquaD2(D2):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
+        settled = replace(self.config, gamma=self.gamma)  # the mixing's gamma, settled against the graph
         if self.node_gossip is None:
-            self.node_modulo, self.gossip = None, ModuloGossip(comm, self.config, self.flat)
+            self.node_modulo, self.gossip = None, ModuloGossip(comm, settled, self.flat)
         else:
-            self.node_modulo = NodeModuloGossip(self.node_gossip, self.config, self.flat)
+            self.node_modulo = NodeModuloGossip(self.node_gossip, settled, self.flat)
             self.gossip = self.node_modulo.gossip
+
+    def _default_gamma(self) -> float:
+        """Moniqua's gamma for ``bits`` (0.5 at 1-2 bits, else 1) where the graph meets D²'s condition."""
+        return default_gamma(self.config.bits)
 
     def _mix(self, x, direction, lr):
         if self.node_modulo is None:

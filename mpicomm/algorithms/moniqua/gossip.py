@@ -82,7 +82,7 @@ class ModuloGossip:
         self.record.steps += 1
         if self.identity:
             rows = self.comm.neighbor_allgather(x, step=step) if pending is None else pending.wait()
-            _gossip(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
+            gossip_average(x, rows, topo.self_weight(rank), topo.neighbor_weights(rank), self.gamma)
             return False
         statistic = self.rule.statistic(step_inf, tensor_inf(x, self.layout.sizes))
         if pending is None:
@@ -157,11 +157,3 @@ class ModuloGossip:
             self.rule.load_state_dict(state["rule"])
             if self.codec.noise is not None:
                 self.codec.noise.load_state_dict(state["noise"])
-
-
-def _gossip(x, rows, self_weight, weights, gamma) -> None:
-    """``x <- x + gamma sum_j W_ij (x_j - x)``; at gamma = 1 exactly D-PSGD's ``gossip_average``."""
-    if gamma != 1.0:
-        self_weight = 1.0 - gamma * (1.0 - self_weight)
-        weights = [gamma * w for w in weights]
-    gossip_average(x, rows, self_weight, weights)

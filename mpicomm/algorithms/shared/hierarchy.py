@@ -205,14 +205,15 @@ class NodeGossip:
         gossip(shard, step)
         return self.levels.spread(x, shard)
 
-    def mix(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Collective: ``x <- (W_nodes ⊗ (1/L) 1 1ᵀ) x`` in place (this rank's row); returns ``x``."""
-        return self.mix_with(x, step, self._average)
+    def mix(self, x: torch.Tensor, step: int, gamma: float = 1.0) -> torch.Tensor:
+        """Collective: ``x <- (W_nodes ⊗ (1/L) 1 1ᵀ) x`` in place (this rank's row; ``W_nodes`` damped to ``(1 -
+        gamma) I + gamma W_nodes``); returns ``x``."""
+        return self.mix_with(x, step, lambda shard, s: self._average(shard, s, gamma))
 
-    def _average(self, shard: torch.Tensor, step: int) -> None:
+    def _average(self, shard: torch.Tensor, step: int, gamma: float) -> None:
         topo = self.graph.topology(step)
         received = self.graph.neighbor_allgather(shard, step=step)
-        gossip_average(shard, received, topo.self_weight(self.node), topo.neighbor_weights(self.node))
+        gossip_average(shard, received, topo.self_weight(self.node), topo.neighbor_weights(self.node), gamma)
 
 
 def shard_layers(layers, lo: int, hi: int) -> list[Layer]:
