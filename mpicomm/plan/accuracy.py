@@ -3,6 +3,10 @@
 The cost is in points of test accuracy: the full-precision baseline's mean less the method's, both from
 the same file and run set (negative: the method ended higher). Sources, best first:
 
+* ``mnist1d.json``: MNIST-1D, the 1-D CNN, 8 ranks on the ring, 10 epochs, 3 seeds (the yardstick built to
+  separate methods: seed-to-seed spread 0.05-0.4 points where full MNIST's differences sat inside theirs).
+  Baseline AllReduce-SGD; only the methods run there at the candidate's own configuration, and only where
+  every seed finished.
 * ``scale.json``: full MNIST, ResNet-8, 8 ranks on the ring, 1,500 steps, 2 seeds. Baseline AllReduce-SGD
   (APMSqueeze: AllReduce-Adam, the same optimizer at full precision). Its seed-to-seed spread is about
   0.1-0.3 points, so differences below ~0.3 points are noise.
@@ -36,6 +40,9 @@ _SCALE = {  # candidate -> (part, method, baseline method), 8 ranks, ring
     "apmsqueeze": ("centralized", "APMSqueeze", "AllReduce-Adam"),
     "diloco_h10": ("local", "DiLoCo H=10", "AllReduce-SGD"),
     "sparseloco_h10": ("local", "SparseLoCo H=10", "AllReduce-SGD"),
+}
+_MNIST1D = {  # candidate -> the yardstick's method entry (run at its defaults, which are the candidate's)
+    "dpsgd": "dpsgd", "moniqua": "moniqua", "pdsgdm_p4": "pdsgdm", "hsq": "hsq", "diloco_h10": "diloco",
 }
 _PEERS = {"powersgd_r2": "PowerSGD r=2", "powersgd_r4": "PowerSGD r=4"}
 _TTA = {"pdsgdm_p4": "PD-SGDM p=4"}
@@ -108,10 +115,25 @@ def _time_to_accuracy(costs: dict) -> None:
                                       "time_to_accuracy.json: digits ResNet-20, 4 ranks, 1 seed, vs AllReduce-SGD")
 
 
+def _mnist1d(costs: dict) -> None:
+    data = _load("mnist1d.json")
+    if data is None:
+        return
+    means = {entry: 100 * r["mean"] for entry, r in data["results"].items() if r.get("failed") == 0 and r["mean"]}
+    if "allreduce_sgd" not in means:
+        return
+    for key, entry in _MNIST1D.items():
+        if entry in means:
+            costs[key] = AccuracyCost(round(means["allreduce_sgd"] - means[entry], 2),
+                                      f"mnist1d.json: MNIST-1D 1-D CNN, 8 ranks, {len(data['seeds'])} seeds, "
+                                      "vs AllReduce-SGD")
+
+
 def accuracy_costs() -> dict[str, AccuracyCost]:
     """Candidate key -> its measured :class:`AccuracyCost` (keys without a measurement are absent)."""
     costs: dict[str, AccuracyCost] = {}
     _time_to_accuracy(costs)
     _peers(costs)
     _scale(costs)
+    _mnist1d(costs)
     return costs
