@@ -1,38 +1,39 @@
-"""Time to accuracy with one slow rank (a straggler) beside the same runs with none, per method.
+"""What one slow rank (a straggler) costs the other ranks, per method: each slowed run paired with its unslowed
+baseline run back to back, so both share the machine's load.
 
-    python bench/wallclock/stragglers.py [--factors 1,2,4] [--methods "D-PSGD,AD-PSGD"] [--seeds 0,1]
-        [--epochs 6] [--target 0.70] [--ranks 4] [--model resnet20] [--fresh] [--out stragglers]
+    python bench/wallclock/stragglers.py [--factor 4] [--methods "AD-PSGD,D-PSGD"] [--repeats 3]
+        [--free-repeats 8]
+        [--epochs 6] [--target 0.55] [--ranks 4] [--model resnet8] [--fresh] [--out stragglers]
 
-Every case is a real ``mpiexec`` job of ``apps/train_resnet.py`` (``--model``, ResNet-20 by default; embedded
-digits data, 32 images per rank per step, lr 0.1 cosine, momentum 0.9, ring, one evaluation of the averaged
-model and a metrics line per epoch) with ``--slow-ranks R:F``: the last rank R sleeps (F - 1) x its forward
-and backward time every step.
+Every run is a real ``mpiexec`` job of ``apps/train_resnet.py`` (``--model``; embedded digits data, 32 images
+per rank per step, lr 0.1 cosine, momentum 0.9, ring, one evaluation of the averaged model and a metrics line
+per epoch); the slowed one adds ``--slow-ranks R:F``: the last rank R sleeps (F - 1) x its forward and backward
+time every step.
 Methods: AllReduce-SGD, D-PSGD, Moniqua (default), AD-PSGD and Moniqua on AD-PSGD free running
 (``--free-running``: each rank steps at its own pace, the ranks share the run's steps), AD-PSGD in the loop's
 default lockstep (every rank takes every step, the ranks agree after each one), CPD-SGDM (4-bit QSGD, period 4,
-as in ``time_to_accuracy.py``) and DiLoCo with H = 4 inner steps between syncs (its outer Nesterov 0.7/0.9 as by
-default; the default H = 10 leaves only 6 outer steps in a 6-epoch run of 66 steps).
+as in ``time_to_accuracy.py``) and DiLoCo with H = 4 inner steps between syncs.
 
-Two clocks, both rank 0's (the metrics are rank 0's; rank 0 is never the slow rank in the main grid):
+Pairs: repeat i (seed i) runs every method's pair in turn, the slowed run and its baseline back to back with the
+same seed, in alternating order (baseline first for every other pair of a method), so a load that rises or falls
+over the pair favours neither side on average. Each pair gives ratios slowed / baseline; the table gives their
+mean, standard deviation and the smallest difference from the mean the repeats can detect: the half-width of
+the 95 % confidence interval of the mean, t(0.975, R - 1) x std / sqrt(R). A pair whose halves did not both
+finish in one invocation is rerun whole.
 
-* ``train_s`` at the first evaluation reaching the target, as ``time_to_accuracy.py`` measures it: rank 0's
-  time inside its training steps (forward, backward, the method's step). It does not contain the loop's
-  agreement between steps (``mpicomm/training/health.py``), so time rank 0 spends waiting there for a slower
-  rank is not in it.
-* wall time to the target less the evaluations: rank 0's ``wall_s`` at that evaluation minus the time spent in
-  this and the earlier evaluations (each evaluation's ``wall_s`` less the ``wall_s`` of the train record of the
-  same step, written just before it). This is the time a user waits for the training to get there, and it
-  contains every wait for the slow rank wherever it happens.
+Measures, both from rank 0's wall clock less the evaluations (the time a user waits; it holds every wait for
+the slow rank wherever it happens):
 
-Steps per second of a rank: its own steps over that wall time (free running, each rank's own count is in
-the end record's ``steps_by_rank``; in lockstep every rank takes the run's steps).
+* fast ranks' steps per second: the mean of every rank's own steps but the slow rank's, over that wall time
+  (free running, each rank's count is in the end record's ``steps_by_rank``; in lockstep every rank takes the
+  run's steps);
+* time to the target: that wall time at the first evaluation reaching ``--target``.
 
 The ranks share the machine's cores (4 ranks on 2 cores here, OMP_NUM_THREADS=1): while the slow rank sleeps
 it lends its share of a core to the others, whose compute then runs faster than with no slow rank. A slow rank
-therefore costs less here than it would on dedicated hardware, for every method alike; and for a method whose
-fast ranks do not wait, their steps would get faster, not just stay as fast.
+therefore costs less here than it would on dedicated hardware, for every method alike.
 
-Writes docs/results/NAME.{md,json} (default NAME: stragglers); runs under bench/results/runs/stragglers/.
+Writes docs/results/NAME.{md,json} (default NAME: stragglers); runs under bench/results/runs/stragglers_paired/.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.apprun import AppRun, launch, time_to_target  # noqa: E402
+from bench.apprun import AppRun, finished, launch, time_to_target  # noqa: E402
 from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 BATCH, DIGITS_TRAIN = 32, 1438  # images per rank per step; the embedded digits' training images
@@ -60,181 +61,215 @@ METHODS = {  # label: (arguments, free running)
     "CPD-SGDM qsgd 4-bit p=4": (["--algorithm", "cpdsgdm", *QSGD4, "--period", "4", "--gamma", "0.6"], False),
     "DiLoCo H=4": (["--algorithm", "diloco", "--period", "4"], False),
 }
+DEFAULT_METHODS = ["AD-PSGD", "Moniqua on AD-PSGD", "AD-PSGD lockstep", "AllReduce-SGD", "D-PSGD"]
+KEEP = 0.8  # the claim: a free-running method's fast ranks keep at least this share of their steps per second
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 11: 2.20}
 
 
-def eval_times(run: AppRun) -> list[tuple[int, float, float, float]]:
-    """``(step, accuracy, train_s, wall_s less the evaluations so far)`` at every evaluation."""
+def eval_times(run: AppRun) -> list[tuple[int, float, float]]:
+    """``(step, accuracy, wall_s less the evaluations so far)`` at every evaluation."""
     out, spent, last_wall = [], 0.0, 0.0
     for r in run.records:
         if r["event"] == "train":
             last_wall = r["wall_s"]
         elif r["event"] == "eval":
             spent += r["wall_s"] - last_wall
-            out.append((r["step"], r["test_accuracy"], r["train_s"], r["wall_s"] - spent))
+            out.append((r["step"], r["test_accuracy"], r["wall_s"] - spent))
             last_wall = r["wall_s"]
     return out
 
 
 def measure(run: AppRun, target: float, slow: int) -> dict:
-    """One run's figures: times to target on both clocks, rank 0's and the slow rank's steps per second, final
-    accuracy."""
+    """One run's figures: time to target, the fast ranks' and the slow rank's steps per second, final accuracy."""
     points = eval_times(run)
-    tta_train = time_to_target([(t, a, s) for s, a, t, _ in points], target)
-    tta_wall = time_to_target([(w, a, s) for s, a, _, w in points], target)
-    training_wall = points[-1][3] if points else None
-    split = run.per_step()
+    wall = points[-1][2] if points else None
     own = run.end.get("steps_by_rank") or [run.end["step"]] * (slow + 1)  # lockstep: every rank takes every step
-    return {"time_to_target_train_s": tta_train, "time_to_target_wall_s": tta_wall,
-            "final_test_accuracy": run.end["test_accuracy"], "steps": run.end["step"],
-            "train_s": run.end["train_s"], "training_wall_s": training_wall,
+    return {"time_to_target_wall_s": time_to_target([(w, a, s) for s, a, w in points], target),
+            "final_test_accuracy": run.end["test_accuracy"], "steps": run.end["step"], "training_wall_s": wall,
             "steps_by_rank": own,
-            "fast_ranks_steps_per_s": (statistics.fmean(c for r, c in enumerate(own) if r != slow) / training_wall
-                                       if training_wall else None),
-            "slow_rank_steps_per_s": own[slow] / training_wall if training_wall else None,
-            "rank0_train_steps_per_s": own[0] / run.end["train_s"],
-            "per_step_s_mean_over_ranks": split, "curve": points}
+            "fast_ranks_steps_per_s": statistics.fmean(c for r, c in enumerate(own) if r != slow) / wall,
+            "slow_rank_steps_per_s": own[slow] / wall, "curve": points}
 
 
-def mean_of(values: list) -> float | None:
-    """The mean, or None if any is None (a seed that never reached the target)."""
-    return None if any(v is None for v in values) else statistics.fmean(values)
+def spread(values: list[float]) -> dict:
+    """Mean, standard deviation and the 95 % confidence half-width of the mean (None where too few values)."""
+    n = len(values)
+    mean = statistics.fmean(values) if values else None
+    std = statistics.stdev(values) if n > 1 else None
+    half = T975.get(n - 1, 2.0) * std / n ** 0.5 if std is not None else None
+    return {"n": n, "mean": mean, "std": std, "half_width_95": half}
 
 
-def notes(payload: list[dict], args, slow: int) -> str:
-    """The table's notes: what was measured and what not, the biases, and the verdict from the rows."""
-    top = max(r["factor"] for r in payload)
-    at_top = [r for r in payload if r["factor"] == top and top > 1]
+def verdict(s: dict) -> str:
+    """Whether the fast ranks keep at least KEEP of their pace, as far as the pairs can tell."""
+    if s["half_width_95"] is None:
+        return "cannot tell (one pair)"
+    if s["mean"] - s["half_width_95"] >= KEEP:
+        return f"keep >= {KEEP:g}x: confirmed"
+    if s["mean"] + s["half_width_95"] < KEEP:
+        return f"keep >= {KEEP:g}x: rejected"
+    return "cannot tell"
+
+
+def summarise(label: str, asynchronous: bool, pairs: list[dict]) -> dict:
+    """A method's row: the per-pair ratios slowed / baseline and their spread."""
+    rate = [p["slowed"]["fast_ranks_steps_per_s"] / p["none"]["fast_ranks_steps_per_s"] for p in pairs]
+    tta = [p["slowed"]["time_to_target_wall_s"] / p["none"]["time_to_target_wall_s"] for p in pairs
+           if p["slowed"]["time_to_target_wall_s"] and p["none"]["time_to_target_wall_s"]]
+    loads = [x for p in pairs for x in (p["loadavg_before"][0], p["loadavg_after"][0])]
+    return {"method": label, "asynchronous": asynchronous, "pairs": len(pairs),
+            "fast_steps_per_s_none": spread([p["none"]["fast_ranks_steps_per_s"] for p in pairs]),
+            "fast_steps_per_s_slowed": spread([p["slowed"]["fast_ranks_steps_per_s"] for p in pairs]),
+            "slow_rank_steps_per_s": spread([p["slowed"]["slow_rank_steps_per_s"] for p in pairs]),
+            "fast_steps_per_s_ratio": {**spread(rate), "per_pair": rate},
+            "time_to_target_ratio": {**spread(tta), "per_pair": tta},
+            "time_to_target_none_s": spread([p["none"]["time_to_target_wall_s"] for p in pairs
+                                             if p["none"]["time_to_target_wall_s"]]),
+            "final_accuracy_none": spread([p["none"]["final_test_accuracy"] for p in pairs]),
+            "final_accuracy_slowed": spread([p["slowed"]["final_test_accuracy"] for p in pairs]),
+            "loadavg_1min_range": [min(loads), max(loads)], "verdict": verdict(spread(rate)), "runs": pairs}
+
+
+def fmt(s: dict, digits: int = 2, scale: float = 1.0) -> str:
+    """``mean ± std`` (or the mean alone, or '-')."""
+    if s["mean"] is None:
+        return "-"
+    return f"{scale * s['mean']:.{digits}f}" + (f" ± {scale * s['std']:.{digits}f}" if s["std"] is not None else "")
+
+
+def half(s: dict) -> str:
+    """``± the 95 % half-width`` (or '-')."""
+    return f"± {s['half_width_95']:.2f}" if s["half_width_95"] is not None else "-"
+
+
+def row(r: dict) -> list[str]:
+    """The table's line for a method."""
+    rate, tta = r["fast_steps_per_s_ratio"], r["time_to_target_ratio"]
+    return [r["method"], "free running" if r["asynchronous"] else "lockstep", str(r["pairs"]),
+            fmt(r["fast_steps_per_s_none"]), fmt(r["fast_steps_per_s_slowed"]), fmt(rate), half(rate),
+            " ".join(f"{x:.2f}" for x in rate["per_pair"]), fmt(r["slow_rank_steps_per_s"]),
+            fmt(r["time_to_target_none_s"], 1), f"{fmt(tta)} ({tta['n']})", half(tta),
+            f"{fmt(r['final_accuracy_none'], 1, 100)} / {fmt(r['final_accuracy_slowed'], 1, 100)}",
+            "{:.1f}-{:.1f}".format(*r["loadavg_1min_range"]), r["verdict"]]
+
+
+def notes(summary: list[dict], args, slow: int) -> str:
+    """The table's notes: what was measured, the biases, and the verdicts from the rows."""
+    loads = [x for r in summary for x in r["loadavg_1min_range"]]
+    runs = 2 * sum(r["pairs"] for r in summary)
     lines = [
         "Notes",
         "",
         f"* Setting: {args.ranks} ranks, {args.model} on the embedded digits (1,438 training images), {args.epochs} "
-        f"epochs, seeds {args.seeds}, target {100 * args.target:.0f} % test accuracy of the averaged model, one "
-        "evaluation and one metrics line per epoch. A larger setting (8 ranks, full MNIST) does not fit "
-        "this 2-core machine: one 8-rank MNIST run takes 3-18 minutes here (docs/results/scale.md), and this grid "
-        f"is {sum(len(r['runs']) for r in payload)} runs. The target is set below every method's final accuracy "
-        "in this setting (--target).",
+        f"epochs, target {100 * args.target:.0f} % test accuracy of the averaged model (below every method's final "
+        f"accuracy here), one evaluation and one metrics line per epoch; {runs} runs. A larger setting (8 ranks, "
+        "full MNIST) does not fit this 2-core machine: one 8-rank MNIST run takes 3-18 minutes here "
+        "(docs/results/scale.md).",
+        "* Pairs: repeat i (seed i) runs each method's slowed run and its baseline back to back with the same seed, "
+        "in alternating order, so both halves of a pair share the machine's load; the ratios (slowed / baseline) "
+        "are per pair. `± 95 %` is the smallest difference from the mean ratio the pairs can detect: the half-width "
+        "of the 95 % confidence interval of the mean, t(0.975, R - 1) x std / sqrt(R) over the R pairs.",
         "* Free running (AD-PSGD, Moniqua on AD-PSGD): each rank steps at its own pace and the ranks share the "
         "run's steps (docs/algorithms/adpsgd.md); a fast rank takes more steps than the slow one, and the run ends "
         "when all ranks together took ranks x steps. `AD-PSGD lockstep` is the same method in the loop's default, "
         "where every rank takes every step and the ranks agree after each one.",
-        "* `train_s`: rank 0's time inside its training steps (the clock of time_to_accuracy.md); it leaves out "
-        "waits between steps. `wall less evals`: rank 0's wall clock to the target less the evaluations, which "
-        "holds every wait.",
         f"* Steps/s: a rank's own steps over rank 0's wall clock less evaluations; the fast ranks' figure is their "
-        f"mean (every rank but rank {slow}, the slow one; on 2 shared cores one fast rank can get twice another's "
-        "steps, so a single rank's count is noisy). Free running, the counts come from the end record's "
-        "`steps_by_rank`; in lockstep every rank takes every step.",
+        f"mean (every rank but rank {slow}, the slow one). Time to target: rank 0's wall clock less evaluations at "
+        "the first evaluation reaching it (one per epoch, so it moves by whole epochs); the count in brackets is "
+        "the pairs where both halves reached it.",
         "* Oversubscription: the ranks share 2 cores, so the slow rank's sleep lends its share of a core to the "
-        "others, whose compute gets faster. A slow rank can therefore cost less here than on dedicated hardware "
-        "(the ratios may understate the slowdown, for every method alike), and a free-running fast rank can get "
-        "*faster* than with no slow rank. With other work on the machine (next note) the sleeping rank's share "
-        "goes partly to that work instead.",
+        "others, whose compute gets faster. A slow rank can therefore cost less here than on dedicated hardware, "
+        "and a free-running fast rank can get *faster* than with no slow rank.",
+        f"* Machine load: the 1-minute load average before and after the pairs was {min(loads):.1f}-"
+        f"{max(loads):.1f} on 2 cores (above about 4 the ranks shared the cores with other work); per method in "
+        "the `load` column.",
     ]
-    loads = [run["loadavg_at_end"][0] for r in payload for run in r["runs"]]
-    lines.append(f"* Machine load: the 1-minute load average at the end of the runs was {min(loads):.1f}-"
-                 f"{max(loads):.1f} on 2 cores (above about 4, the ranks shared the cores with other work: "
-                 "every time here is then longer, and noisier, than on an idle machine).")
-    lines.append("* Time to the target is read at one evaluation per epoch, so a run that crosses it an epoch "
-                 "earlier or later moves it by a whole epoch's time; the fast ranks' steps per second is the steadier "
-                 "measure of what the slow rank costs the others.")
-    free = [r for r in at_top if r["asynchronous"]]
-    held = [r for r in at_top if not r["asynchronous"]]
 
-    def ratios(rows: list[dict]) -> str:
-        return "; ".join(f"{r['method']}: steps/s {r['fast_rank_steps_per_s_vs_none']:.2f}x of none, time to target "
-                         + (f"{r['ratio_wall_s_vs_none']:.2f}x" if r["ratio_wall_s_vs_none"] else "-")
-                         for r in rows) or "none measured"
+    def said(rows: list[dict]) -> str:
+        return "; ".join(
+            f"{r['method']}: {r['fast_steps_per_s_ratio']['mean']:.2f}x "
+            f"(± {r['fast_steps_per_s_ratio']['half_width_95'] or 0:.2f}), {r['verdict'].split(': ')[-1]}"
+            for r in rows) or "none measured"
 
-    if free:
-        kept = all(r["fast_rank_steps_per_s_vs_none"] >= 0.8 for r in free)
-        lines += ["", f"Verdict at {top:g}x (rank 0's wall clock, evaluations left out; slow / none). Free running: "
-                  f"{ratios(free)}. Lockstep: {ratios(held)}. The claim that a slow rank does not slow the "
-                  "asynchronous methods' other ranks (taken as: the fast ranks keep at least 0.8x of their steps per "
-                  "second) is " + ("confirmed" if kept else "refuted") + " in these runs."]
+    free = [r for r in summary if r["asynchronous"]]
+    held = [r for r in summary if not r["asynchronous"]]
+    lines += ["", f"Verdict at {args.factor:g}x (fast ranks' steps per second, slowed / baseline, mean over pairs "
+              f"and 95 % half-width; the claim: a slow rank leaves the free-running methods' other ranks at least "
+              f"{KEEP:g}x of their pace, and slows every lockstep method's to its own). Free running: {said(free)}. "
+              f"Lockstep (keeping {KEEP:g}x rejected is the expected outcome): {said(held)}."]
     return "\n".join(lines)
 
 
 def main() -> None:
-    """Run every (method, factor, seed), then write the table and the JSON."""
+    """Run every repeat's pairs, then write the table and the JSON."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--factors", default="1,2,4", help="slowdowns of the last rank (1: no slow rank)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
-    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--factor", type=float, default=4.0, help="slowdown of the last rank (> 1)")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma list of " + ", ".join(METHODS))
+    parser.add_argument("--repeats", type=int, default=3, help="pairs per method (seeds 0..R-1)")
+    parser.add_argument("--free-repeats", type=int, default=None,
+                        help="pairs per free-running method (default: --repeats); their ratios spread the most")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--model", default="resnet20", help="resnet8, resnet20, ...")
-    parser.add_argument("--target", type=float, default=0.70, help="test accuracy of the averaged model")
-    parser.add_argument("--fresh", action="store_true", help="rerun cases that already finished")
+    parser.add_argument("--model", default="resnet8", help="resnet8, resnet20, ...")
+    parser.add_argument("--target", type=float, default=0.55, help="test accuracy of the averaged model")
+    parser.add_argument("--fresh", action="store_true", help="rerun pairs that already finished")
     parser.add_argument("--out", default="stragglers", help="output name under docs/results/")
     args = parser.parse_args()
-    enter_loopback_namespace()
-    factors = [float(f) for f in args.factors.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
     methods = [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        parser.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    args.free_repeats = args.repeats if args.free_repeats is None else args.free_repeats
+    if args.factor <= 1 or min(args.repeats, args.free_repeats) < 1 or args.ranks < 2:
+        parser.error("--factor must be > 1, --repeats and --free-repeats >= 1, --ranks >= 2")
+    enter_loopback_namespace()
     slow = args.ranks - 1
     per_epoch = max(1, DIGITS_TRAIN // args.ranks // BATCH)  # a metrics line with each evaluation, no more often
     base = [*BASE, "--model", args.model, "--epochs", str(args.epochs), "--log-every", str(per_epoch)]
+    root = os.path.join(RUNS, "stragglers_paired", f"{args.model}_r{args.ranks}_e{args.epochs}_x{args.factor:g}")
 
-    def run(label: str, extra: list[str], factor: float, seed: int) -> dict:
-        slowing = ["--slow-ranks", f"{slow}:{factor:g}"] if factor > 1 else []
-        name = f"{label.replace(' ', '_')}_x{factor:g}_log{per_epoch}"
-        run_dir = os.path.join(RUNS, "stragglers", f"{args.model}_r{args.ranks}_e{args.epochs}_seed{seed}", name)
-        done = launch(f"{label} x{factor:g} seed {seed}", "train_resnet.py", args.ranks,
-                      [*base, *extra, "--seed", str(seed), *slowing], run_dir, fresh=args.fresh, timeout=1200)
-        stamp = os.path.join(run_dir, "loadavg.json")  # the machine's load when the run ended (other work too)
-        if not os.path.exists(stamp):
+    def pair(label: str, seed: int, slowed_first: bool) -> dict:
+        extra = [*base, *METHODS[label][0], "--seed", str(seed)]
+        cases = {"none": extra, "slowed": [*extra, "--slow-ranks", f"{slow}:{args.factor:g}"]}
+        pair_dir = os.path.join(root, f"seed{seed}", label.replace(" ", "_"))
+        stamp = os.path.join(pair_dir, "pair.json")
+        done = {k: finished(label, "train_resnet.py", args.ranks, a, os.path.join(pair_dir, k))
+                for k, a in cases.items()}
+        if args.fresh or not os.path.exists(stamp) or None in done.values():
+            order = ["slowed", "none"] if slowed_first else ["none", "slowed"]
+            before = os.getloadavg()
+            done = {k: launch(f"{label} {k} seed {seed}", "train_resnet.py", args.ranks, cases[k],
+                              os.path.join(pair_dir, k), fresh=True, timeout=1200) for k in order}
             with open(stamp, "w") as f:
-                json.dump(os.getloadavg(), f)
+                json.dump({"order": order, "loadavg_before": before, "loadavg_after": os.getloadavg()}, f)
         with open(stamp) as f:
-            load = json.load(f)
-        return {"command": done.command, "loadavg_at_end": load, **measure(done, args.target, slow)}
+            info = json.load(f)
+        return {"seed": seed, **info, **{k: {"command": r.command, **measure(r, args.target, slow)}
+                                         for k, r in done.items()}}
 
-    rows, payload = [], []
-    for label in methods:
-        extra, asynchronous = METHODS[label]
-        by_factor = {f: [run(label, extra, f, s) for s in seeds] for f in factors}
-        none = by_factor.get(1.0)
-        base_train = mean_of([r["time_to_target_train_s"] for r in none]) if none else None
-        base_wall = mean_of([r["time_to_target_wall_s"] for r in none]) if none else None
-        base_rate = statistics.fmean(r["fast_ranks_steps_per_s"] for r in none) if none else None
-        for f in factors:
-            runs = by_factor[f]
-            tta_train = mean_of([r["time_to_target_train_s"] for r in runs])
-            tta_wall = mean_of([r["time_to_target_wall_s"] for r in runs])
-            fast_rate = statistics.fmean(r["fast_ranks_steps_per_s"] for r in runs)
-            slow_rate = statistics.fmean(r["slow_rank_steps_per_s"] for r in runs) if f > 1 else None
-            ratio_train = tta_train / base_train if (tta_train and base_train) else None
-            ratio_wall = tta_wall / base_wall if (tta_wall and base_wall) else None
-            rate_ratio = fast_rate / base_rate if base_rate else None
-            acc = statistics.fmean(r["final_test_accuracy"] for r in runs)
-            rows.append([label, "free running" if asynchronous else "lockstep", f"{f:g}x",
-                         f"{tta_train:.1f}" if tta_train else "never",
-                         f"{ratio_train:.2f}" if ratio_train else "-",
-                         f"{tta_wall:.1f}" if tta_wall else "never",
-                         f"{ratio_wall:.2f}" if ratio_wall else "-",
-                         f"{100 * acc:.1f}", f"{fast_rate:.2f}", f"{rate_ratio:.2f}" if rate_ratio else "-",
-                         f"{slow_rate:.2f}" if slow_rate else ""])
-            payload.append({"method": label, "asynchronous": asynchronous, "factor": f,
-                            "slow_rank": slow if f > 1 else None, "seeds": seeds,
-                            "time_to_target_train_s": tta_train, "ratio_train_s_vs_none": ratio_train,
-                            "time_to_target_wall_s": tta_wall, "ratio_wall_s_vs_none": ratio_wall,
-                            "final_test_accuracy": acc, "fast_rank_steps_per_s": fast_rate,
-                            "fast_rank_steps_per_s_vs_none": rate_ratio,
-                            "slow_rank_steps_per_s": slow_rate, "runs": runs})
-    header = ["method", "kind", "slow rank", f"time to {100 * args.target:.0f}% train_s (s)", "ratio vs none",
-              f"time to {100 * args.target:.0f}% wall less evals (s)", "ratio vs none", "final acc %",
-              "fast ranks' steps/s (mean)", "ratio vs none", f"slow rank (rank {slow}) steps/s"]
-    title = (f"Stragglers: {args.model} on digits, {args.ranks} ranks (2 cores), ring, {args.epochs} epochs, "
-             f"seeds {args.seeds}; rank {slow} slowed {', '.join(f'{f:g}x' for f in factors if f > 1)} "
+    pairs: dict[str, list[dict]] = {m: [] for m in methods}
+    repeats = {m: args.free_repeats if METHODS[m][1] else args.repeats for m in methods}
+    for seed in range(max(repeats.values())):  # every method's pair of a seed before the next seed's
+        for i, label in enumerate(methods):
+            if seed < repeats[label]:
+                pairs[label].append(pair(label, seed, slowed_first=(seed + i) % 2 == 1))
+    summary = [summarise(m, METHODS[m][1], pairs[m]) for m in methods]
+    header = ["method", "kind", "pairs", "fast ranks' steps/s, none", f"at {args.factor:g}x",
+              "ratio (mean ± std)", "± 95 %", "ratio per pair", f"slow rank (rank {slow}) steps/s",
+              f"time to {100 * args.target:.0f}% none (s)", "ratio (pairs)", "± 95 %", "final acc % none / slowed",
+              "load (1 min)", "verdict"]
+    title = (f"Stragglers: {args.model} on digits, {args.ranks} ranks (2 cores), ring, {args.epochs} epochs; rank "
+             f"{slow} slowed {args.factor:g}x, each run paired with its baseline at the same load "
              "(8 ranks on full MNIST does not fit this machine: see the notes)")
-    write_table(args.out, title, markdown_table(header, rows) + "\n\n" + notes(payload, args, slow),
-                {"target": args.target, "ranks": args.ranks, "epochs": args.epochs, "slow_rank": slow,
-                 "factors": factors, "seeds": seeds, "rows": payload})
+    command = (f"python bench/wallclock/stragglers.py --methods \"{','.join(methods)}\" --repeats {args.repeats} "
+               f"--free-repeats {args.free_repeats} --factor {args.factor:g} --epochs {args.epochs} "
+               f"--model {args.model} --target {args.target:g}")
+    write_table(args.out, title, f"`{command}`\n\n" + markdown_table(header, [row(r) for r in summary]) + "\n\n"
+                + notes(summary, args, slow),
+                {"command": command, "target": args.target, "ranks": args.ranks, "epochs": args.epochs,
+                 "slow_rank": slow, "factor": args.factor, "repeats": repeats, "rows": summary})
 
 
 if __name__ == "__main__":
