@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -108,6 +109,12 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def failure(run: dict) -> str:
+    """A failed run's cell: ``diverged by step N`` when the app said so, else ``failed``."""
+    found = re.search(r"diverged by step \d+", run.get("error", ""))
+    return found.group(0) if found else "failed"
+
+
 def table(results: dict[str, list[dict]], base: dict) -> str:
     """The markdown table: one row per method entry, then the input-blind baseline."""
     def spread(value, std, scale, digits):
@@ -117,7 +124,7 @@ def table(results: dict[str, list[dict]], base: dict) -> str:
     rows = []
     for entry, runs in results.items():
         s = summary(runs)
-        seeds = "; ".join("failed" if r["failed"] else f"{r['val_mlm_loss']:.3f} / {100 * r['val_mlm_accuracy']:.2f}"
+        seeds = "; ".join(failure(r) if r["failed"] else f"{r['val_mlm_loss']:.3f} / {100 * r['val_mlm_accuracy']:.2f}"
                           for r in runs)
         traffic = "–" if s["bytes_per_parameter_per_step"] is None else f"{s['bytes_per_parameter_per_step']:.3g}"
         wall = "–" if s["app_wall_s"] is None else f"{s['app_wall_s']:.0f}"
