@@ -1,8 +1,10 @@
 """Methods x seeds of BERT masked-LM on the python-docs corpus at N ranks: final validation loss and masked-token
 accuracy, mean ± std over the seeds, traffic per step, and the most-frequent-token baseline.
 
-    python bench/training/bert_yardstick.py --ranks 4 --seeds 0,1,2 --steps 600 --warmup 100 --methods \\
-        allreduce_adam+lr=2e-3,apmsqueeze+lr=2e-3,zeroone_adam+lr=2e-3+var-freeze-step=120,onebit_lamb+freeze-step=120,diloco,moniqua
+    python bench/training/bert_yardstick.py --ranks 4 --seeds 0,1,2 --steps 600 --warmup 100
+
+(its default ``--methods``: AllReduce-Adam, APMSqueeze and 0/1 Adam at lr 2e-3, 1-bit LAMB, DiLoCo, Moniqua; the
+two freeze steps at 120, a fifth of the run, like APMSqueeze's warm-up).
 
 Each run is ``apps/train_bert.py --dataset python-docs --algorithm A --seed S --max-steps STEPS --epochs 10
 --lr-warmup-steps W --eval-every STEPS/4`` on ``--ranks`` ranks (the tiny preset, sequences of 64 tokens, batch 16
@@ -143,7 +145,8 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2", help="comma list of --seed values")
     p.add_argument("--steps", type=int, default=600, help="training steps per run (--max-steps)")
     p.add_argument("--warmup", type=int, default=100, help="--lr-warmup-steps of every run")
-    p.add_argument("--methods", default="allreduce_adam+lr=2e-3,apmsqueeze+lr=2e-3",
+    p.add_argument("--methods", default="allreduce_adam+lr=2e-3,apmsqueeze+lr=2e-3,zeroone_adam+lr=2e-3+"
+                                        "var-freeze-step=120,onebit_lamb+freeze-step=120,diloco,moniqua",
                    help="comma list of A or A+flag=value+...")
     p.add_argument("--name", default="bert_mlm", help="docs/results/<name>.{md,json}")
     p.add_argument("--fresh", action="store_true", help="rerun finished runs")
