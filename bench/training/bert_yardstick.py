@@ -39,7 +39,7 @@ sys.path.insert(0, REPO)
 
 from bench.apprun import launch  # noqa: E402
 from bench.common import RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
-from bench.training.yardstick import method_args  # noqa: E402
+from bench.training.yardstick import add_table_options, method_args, table_plan  # noqa: E402
 
 DATASET = "python-docs"
 TOKENIZER = os.path.join(RUNS, "bert_yardstick", "tokenizer-python-docs-v4000.json")
@@ -142,20 +142,12 @@ def main() -> None:
     """Parse, compute the baseline, run every (method, seed), write the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--seeds", default="0,1,2", help="comma list of --seed values")
     p.add_argument("--steps", type=int, default=600, help="training steps per run (--max-steps)")
     p.add_argument("--warmup", type=int, default=100, help="--lr-warmup-steps of every run")
-    p.add_argument("--methods", default="allreduce_adam+lr=2e-3,apmsqueeze+lr=2e-3,zeroone_adam+lr=2e-3+"
-                                        "var-freeze-step=120,onebit_lamb+freeze-step=120,diloco,moniqua",
-                   help="comma list of A or A+flag=value+...")
-    p.add_argument("--name", default="bert_mlm", help="docs/results/<name>.{md,json}")
-    p.add_argument("--fresh", action="store_true", help="rerun finished runs")
+    add_table_options(p, "allreduce_adam+lr=2e-3,apmsqueeze+lr=2e-3,zeroone_adam+lr=2e-3+var-freeze-step=120,"
+                         "onebit_lamb+freeze-step=120,diloco,moniqua", "bert_mlm")
     args = p.parse_args()
-    entries = args.methods.split(",")
-    for entry in entries:
-        method_args(entry)  # refuse a bad entry before anything runs
-    seeds = [int(s) for s in args.seeds.split(",")]
-    command = "python " + " ".join(["bench/training/bert_yardstick.py", *sys.argv[1:]])
+    entries, seeds, command = table_plan(args, "bench/training/bert_yardstick.py")
     enter_loopback_namespace()
     base = baseline()
     results = {entry: [] for entry in entries}

@@ -89,21 +89,30 @@ def table(results: dict[str, list[dict]]) -> str:
                            "wall s per run"], rows)
 
 
+def add_table_options(p: argparse.ArgumentParser, methods: str, name: str) -> None:
+    """The options every yardstick table takes: seeds, method entries, the table's name, --fresh."""
+    p.add_argument("--seeds", default="0,1,2", help="comma list of --seed values")
+    p.add_argument("--methods", default=methods, help="comma list of A or A+flag=value+...")
+    p.add_argument("--name", default=name, help="docs/results/<name>.{md,json}")
+    p.add_argument("--fresh", action="store_true", help="rerun finished runs")
+
+
+def table_plan(args, script: str) -> tuple[list[str], list[int], str]:
+    """The method entries (each checked before anything runs), the seeds, and the command line of the table."""
+    entries = args.methods.split(",")
+    for entry in entries:
+        method_args(entry)
+    return entries, [int(s) for s in args.seeds.split(",")], "python " + " ".join([script, *sys.argv[1:]])
+
+
 def main() -> None:
     """Parse, run every (method, seed), write the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--seeds", default="0,1,2", help="comma list of --seed values")
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--methods", default="allreduce_sgd,dpsgd,moniqua", help="comma list of A or A+flag=value+...")
-    p.add_argument("--name", default="mnist1d", help="docs/results/<name>.{md,json}")
-    p.add_argument("--fresh", action="store_true", help="rerun finished runs")
+    add_table_options(p, "allreduce_sgd,dpsgd,moniqua", "mnist1d")
     args = p.parse_args()
-    entries = args.methods.split(",")
-    for entry in entries:
-        method_args(entry)  # refuse a bad entry before anything runs
-    seeds = [int(s) for s in args.seeds.split(",")]
-    command = "python " + " ".join(["bench/training/yardstick.py", *sys.argv[1:]])
+    entries, seeds, command = table_plan(args, "bench/training/yardstick.py")
     enter_loopback_namespace()
     results = {entry: [run_one(entry, seed, args.ranks, args.epochs, args.fresh) for seed in seeds]
                for entry in entries}
