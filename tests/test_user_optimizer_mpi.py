@@ -14,6 +14,7 @@ from mpicomm.training.param_groups import decay_groups
 
 from .algo_common import grad_at, in_turns, initial_flat, make_model, mixing, topologies_for, train
 from .conftest import run_all
+from .test_d2_mpi import condition_gamma
 
 pytestmark = pytest.mark.mpi
 
@@ -53,8 +54,9 @@ def _reference(n, steps, build, mix, adapt_first=False):
     return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
 
 
-def _reference_d2(n, steps, build, schedule):
-    """D² with the optimizer's update d in place of -alpha g: x_{k+1/2} = 2 x_k - x_{k-1} + d_k - d_{k-1}."""
+def _reference_d2(n, steps, build, schedule, gamma):
+    """D² with the optimizer's update d in place of -alpha g: x_{k+1/2} = 2 x_k - x_{k-1} + d_k - d_{k-1}, mixed
+    by (1 - gamma) I + gamma W."""
     models = [make_model(0) for _ in range(n)]
     optimizers = [build(m) for m in models]
     x_prev = d_prev = None
@@ -67,7 +69,7 @@ def _reference_d2(n, steps, build, schedule):
         d = torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models]) - x
         half = x + d if x_prev is None else 2 * x - x_prev + d - d_prev
         x_prev, d_prev = x, d
-        new = mixing(schedule, t) @ half
+        new = half + gamma * (mixing(schedule, t) @ half - half)
         for r, m in enumerate(models):
             torch.nn.utils.vector_to_parameters(new[r], m.parameters())
     return torch.stack([torch.nn.utils.parameters_to_vector(m.parameters()).detach() for m in models])
@@ -117,10 +119,10 @@ def test_d2_user_optimizer_matches_reference(comm, name, build):
     def body():
         schedule = topologies_for(comm.Get_size())[0]
         model = make_model(seed=comm.Get_rank())
-        options = {"bits": 32, "parts": 1, "gamma": 1.0} if name == "moniqua_d2" else {}
+        options = {"bits": 32, "parts": 1} if name == "moniqua_d2" else {}
         algo = make_algorithm(name, model, Communicator(comm, schedule), optimizer=build(model), **options)
         train(algo, 5)
-        expected = _reference_d2(comm.Get_size(), 5, build, schedule)[comm.Get_rank()]
+        expected = _reference_d2(comm.Get_size(), 5, build, schedule, condition_gamma(schedule, 1.0))[comm.Get_rank()]
         torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
 
     run_all(comm, body)
