@@ -91,7 +91,8 @@ def _command(app: str, ranks: int, args: list[str], run_dir: str, launcher: list
 
 def finished(label: str, app: str, ranks: int, args: list[str], run_dir: str, *,
              launcher: list[str] | None = None) -> AppRun | None:
-    """The finished run of exactly this command in ``run_dir``, or None (never started, other command, cut short)."""
+    """The finished run of exactly this command in ``run_dir``, or None (never started, other command, cut short,
+    or stopped by a signal: such a run writes its ``end`` record too)."""
     command = _command(app, ranks, args, run_dir, launcher)
     metrics, stamp = os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "command.json")
     if not (os.path.exists(stamp) and os.path.exists(metrics)):
@@ -99,7 +100,8 @@ def finished(label: str, app: str, ranks: int, args: list[str], run_dir: str, *,
     with open(stamp) as f:
         same = json.load(f) == command
     records = _read(metrics)
-    return AppRun(label, command, records) if same and records and records[-1].get("event") == "end" else None
+    ended = same and records and records[-1].get("event") == "end" and not records[-1].get("stopped_by_signal")
+    return AppRun(label, command, records) if ended else None
 
 
 def launch(label: str, app: str, ranks: int, args: list[str], run_dir: str, *, fresh: bool = False,
