@@ -14,7 +14,7 @@ from mpicomm.training.param_groups import decay_groups
 
 from .algo_common import grad_at, in_turns, initial_flat, make_model, mixing, topologies_for, train
 from .conftest import run_all
-from .test_d2_mpi import condition_gamma
+from .test_d2_mpi import settled_gamma
 
 pytestmark = pytest.mark.mpi
 
@@ -122,7 +122,7 @@ def test_d2_user_optimizer_matches_reference(comm, name, build):
         options = {"bits": 32, "parts": 1} if name == "moniqua_d2" else {}
         algo = make_algorithm(name, model, Communicator(comm, schedule), optimizer=build(model), **options)
         train(algo, 5)
-        expected = _reference_d2(comm.Get_size(), 5, build, schedule, condition_gamma(schedule, 1.0))[comm.Get_rank()]
+        expected = _reference_d2(comm.Get_size(), 5, build, schedule, settled_gamma(schedule))[comm.Get_rank()]
         torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
 
     run_all(comm, body)

@@ -85,8 +85,6 @@ def run_one(entry: str, seed: int, ranks: int, steps: int, warmup: int, fresh: b
     t0 = time.perf_counter()
     try:
         run = launch(f"{entry} seed {seed}", "train_bert.py", ranks, args, run_dir, fresh=fresh, timeout=3600)
-        if run.end["step"] != steps:  # a run stopped at a step (--stop-at-step) ends with a record too
-            run = launch(f"{entry} seed {seed}", "train_bert.py", ranks, args, run_dir, fresh=True, timeout=3600)
     except RuntimeError as exc:
         print(str(exc)[-2000:], flush=True)
         error = str(exc).strip().splitlines()[-1]

@@ -63,9 +63,9 @@ def check_no_momentum(config: AlgorithmConfig) -> None:
 
 def _smallest_eigenvalue(graph) -> Union[float, None]:
     """lambda_min(W) of a fixed symmetric graph (a Topology, or a Schedule of period 1); None for any other."""
-    if getattr(graph, "period", 1) != 1:
+    if graph.period != 1:
         return None
-    topo = graph.at(0) if hasattr(graph, "at") else graph
+    topo = graph.at(0)
     if not topo.is_symmetric(tol=1e-12):
         return None
     return float(np.linalg.eigvalsh(topo.W).min())
