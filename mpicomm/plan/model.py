@@ -3,12 +3,28 @@
 For a candidate whose communicating step makes the calls ``ops`` and serves ``period`` steps:
 
 * bytes per step: the Ledger's ``contributed`` and ``sent`` of the calls (:mod:`.wire`), over ``period``;
-* communication ``comm = sum(cost of each call) / period``, each call priced by the
-  :class:`~mpicomm.net.CostModel` the Communicator charges ``--net`` with: on the ``intra`` link when every
-  rank is on one node, otherwise on ``inter`` (a flat collective over several nodes is as slow as its
-  slowest link);
+* communication ``comm = sum(cost of each call) / period``, each call priced by the job's network model: the
+  :class:`~mpicomm.net.CostModel` the Communicator charges ``--net`` with, or the transport's measured
+  calibration (:class:`~mpicomm.net.calibration.Calibration`); on the ``intra`` link when every rank is on
+  one node, otherwise on ``inter`` (a flat collective over several nodes is as slow as its slowest link);
+* the node's network card, shared: across nodes, ``inter`` is one card per node. A flat allreduce,
+  allgather or alltoall over several nodes pairs ranks across nodes in its large-message steps (MPICH's
+  recursive halving and doubling, pairwise exchange), so the node's ``L`` ranks cross the card together
+  and each call is priced as ``L`` times its bytes; a neighbour exchange on the node-ordered ring crosses
+  it from two boundary ranks, one each way, and is priced as it is;
+* two levels (every candidate takes ``hierarchical``; where the job spans several nodes with ``L > 1``
+  ranks on each and every node as full): a reduce-scatter and an allgather of the full-precision vector
+  inside the node on ``intra``, and the method's calls between the ``N`` nodes on ``inter``, each of the
+  ``L`` local ranks carrying ``1/L`` of the vector through the shared card (so the calls of an ``N``-rank
+  job with the whole vector); codec work ``1/L`` of the ``N``-rank job's. Two levels cannot overlap. The
+  prediction takes the faster of flat and two levels and says which (``hierarchical``), and the automatic
+  choice trains that one;
 * codec work ``work = sum(encoded x encode cost + decoded x decode cost) / period`` (:mod:`.codec_cost`);
-* exposed communication: ``comm`` without overlap; with ``overlap=True``, by the method's overlap kind:
+* exposed communication: ``comm`` without overlap; with ``overlap=True``, by the method's overlap kind,
+  ``comm - h (comm - ideal)`` where ``ideal`` is what a transport moving data in the background would leave
+  exposed and ``h`` the hidden fraction of the transport: measured by its calibration (the share of a
+  non-blocking exchange that completes while the rank computes), 1 for a modelled ``--net`` (its transfers
+  complete on the clock whatever the rank does). ``ideal``:
 
   - gradient buckets (:data:`~.candidates.BUCKETS`: allreduce_sgd, qsgd, powersgd, hsq, apmsqueeze): the
     flat gradient is cut into the buckets the method would launch (``bucket_ranges`` with the
@@ -68,6 +84,7 @@ class Job:
     ranks_per_node: int = 1
     batch_size: int = 32
     codec_costs: dict | None = None
+    calibration: object | None = None  # a measured transport (mpicomm.net.Calibration): prices instead of net
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -76,7 +93,8 @@ class Job:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         check_step_time(self.step_time)
-        if parse_net(self.net) is None:
+        measured = self.calibration is not None and self.net.startswith("measured")
+        if not measured and parse_net(self.net) is None:
             raise ValueError("--net is required: a setting such as 1gbit,100us, a name (fast, gbit, slow, ib, pcie, "
                              "nvlink) or intra=...,inter=...")
 
@@ -90,8 +108,33 @@ class Job:
         """The link class flat collectives are priced on: intra on one node, else inter."""
         return "intra" if self.ranks <= self.ranks_per_node else "inter"
 
+    @property
+    def nodes(self) -> int:
+        """Nodes the job spans."""
+        return -(-self.ranks // self.ranks_per_node)
+
+    @property
+    def two_level(self) -> bool:
+        """Whether two levels apply: several nodes, more than one rank on each, every node full (the layout
+        on which ``hierarchical`` auto runs them)."""
+        return self.ranks > self.ranks_per_node > 1 and self.ranks % self.ranks_per_node == 0
+
+    @property
+    def nic_share(self) -> int:
+        """Ranks sharing a node's network card in a flat allreduce, allgather or alltoall (1 on one node)."""
+        return self.ranks_per_node if self.link == "inter" else 1
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of an overlapped exchange the transport moves while the rank computes: the calibration's
+        measurement, else 1 (a modelled network's transfers complete on the clock)."""
+        measured = getattr(getattr(self, "calibration", None), "hidden_fraction", None)
+        return 1.0 if measured is None else min(1.0, max(0.0, float(measured)))
+
     def cost_model(self) -> CostModel:
-        """The network model of the link the job's collectives cross."""
+        """The network model of the link the job's collectives cross (the calibration's, when measured)."""
+        if self.calibration is not None:
+            return self.calibration.cost_model()
         return CostModel(parse_net(self.net)).on(self.link)
 
 
@@ -119,12 +162,24 @@ class Prediction:
     efficiency: float
     accuracy: AccuracyCost
     speedup: float = 1.0
+    hierarchical: bool | None = None
+
+    @property
+    def options(self) -> dict:
+        """The options that train what was priced: the candidate's, ``hierarchical`` where two levels were
+        weighed, ``overlap=True`` where it hides something."""
+        options = dict(self.candidate.options)
+        if self.hierarchical is not None:
+            options["hierarchical"] = self.hierarchical
+        if self.overlap_helps:
+            options["overlap"] = True
+        return options
 
     @property
     def overlap_helps(self) -> bool:
         """Whether ``overlap=True`` hides something: the method can overlap and its overlapped figure is the
         smaller (what the automatic choice passes to ``mpicomm.wrap``)."""
-        return bool(self.candidate.overlap) and self.exposed_overlap_s < self.comm_s
+        return bool(self.candidate.overlap) and not self.hierarchical and self.exposed_overlap_s < self.comm_s
 
     @property
     def sent_per_step(self) -> float:
@@ -132,37 +187,60 @@ class Prediction:
         return self.sent_per_sync / self.period
 
 
-def _work(job: Job, cand: Candidate, degree: int) -> float:
+def _work(job: Job, cand: Candidate, n: int, degree: int) -> float:
     costs = job.codec_costs or {}
     total = 0.0
-    for key, (encoded, decoded) in cand.work(job.layers, job.ranks, degree).items():
+    for key, (encoded, decoded) in cand.work(job.layers, n, degree).items():
         if key in costs:
             total += encoded * costs[key][0] + decoded * costs[key][1]
     return total
 
 
+def _flat_seconds(job: Job, op: Op, model: CostModel) -> float:
+    """One flat call's seconds, the node's card shared by its ranks where the call crosses it from all of them."""
+    if job.nic_share > 1 and op.kind != "neighbor":
+        op = Op(op.kind, op.nbytes * job.nic_share, op.degree)
+    return op.seconds(model, job.ranks)
+
+
 def _bucketed_exposed(job: Job, ops: list[Op], period: int, model: CostModel) -> float:
     """Seconds of the bucketed exchange that run past the end of backward (see the module docstring)."""
-    n, d = job.ranks, job.numel
+    d = job.numel
     backward = BACKWARD_SHARE * job.step_time
     done = 0.0  # when the previous bucket's calls end, counted from the start of backward
     ready = 0   # elements whose gradients backward has made so far
     for lo, hi in bucket_ranges(job.layers, _BUCKETS.bucket_numel, _BUCKETS.first_bucket_numel):
         ready += hi - lo
-        calls = sum(Op(op.kind, -(-op.nbytes * (hi - lo) // d), op.degree).seconds(model, n) for op in ops)
+        calls = sum(_flat_seconds(job, Op(op.kind, -(-op.nbytes * (hi - lo) // d), op.degree), model) for op in ops)
         done = max(done, backward * ready / d) + calls
     return max(0.0, done - backward) / period
 
 
 def _exposed_with_overlap(job: Job, cand: Candidate, ops: list[Op], period: int, model: CostModel,
                           comm: float) -> float:
-    """Exposed seconds per step with ``overlap=True`` (``comm`` for a method that cannot overlap); the bucketed
-    figure may exceed ``comm`` (a latency per bucket), and then overlap is not worth choosing."""
+    """Exposed seconds per step with ``overlap=True`` (``comm`` for a method that cannot overlap): what a
+    transport moving data in the background leaves exposed, less only the transport's hidden fraction of the
+    rest. The bucketed figure may exceed ``comm`` (a latency per bucket), and then overlap is not worth choosing."""
     if cand.overlap == BUCKETS and job.ranks > 1:
-        return _bucketed_exposed(job, ops, period, model)
-    if cand.overlap == STEP:
-        return comm - min(comm, job.step_time)
-    return comm
+        ideal = _bucketed_exposed(job, ops, period, model)
+    elif cand.overlap == STEP:
+        ideal = comm - min(comm, job.step_time)
+    else:
+        return comm
+    return comm - job.hidden_fraction * (comm - ideal)
+
+
+def _two_level_seconds(job: Job, cand: Candidate) -> tuple[float, float]:
+    """Communication and codec work per step of ``cand`` in two levels (see the module docstring)."""
+    per_node, nodes = job.ranks_per_node, job.nodes
+    ops, period = cand.traffic(job.layers, nodes, ring_degree(nodes))
+    model = CostModel(parse_net(job.net)) if getattr(job, "calibration", None) is None else job.cost_model()
+    intra, inter = model.on("intra"), model.on("inter")
+    vector = 4 * job.numel
+    inside = intra.reduce_scatter(vector, per_node) + intra.allgatherv(-(-vector // per_node), per_node)
+    between = sum(op.seconds(inter, nodes) for op in ops)  # L shards of 1/L through one card: the whole vector
+    work = _work(job, cand, nodes, ring_degree(nodes)) / per_node
+    return (inside + between) / period, work / period
 
 
 def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Prediction:
@@ -170,10 +248,17 @@ def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Predicti
     n, degree = job.ranks, ring_degree(job.ranks)
     ops, period = cand.traffic(job.layers, n, degree)
     model = job.cost_model()
-    comm = sum(op.seconds(model, n) for op in ops) / period
-    work = _work(job, cand, degree) / period if n > 1 else 0.0
+    comm = sum(_flat_seconds(job, op, model) for op in ops) / period
+    work = _work(job, cand, n, degree) / period if n > 1 else 0.0
     exposed = _exposed_with_overlap(job, cand, ops, period, model, comm)
     step = job.step_time + work + min(comm, exposed)  # overlap is chosen only where it helps
+    hierarchical = None
+    if job.two_level:
+        two_comm, two_work = _two_level_seconds(job, cand)
+        hierarchical = job.step_time + two_work + two_comm < step
+        if hierarchical:
+            comm, work, exposed = two_comm, two_work, two_comm
+            step = job.step_time + work + comm
     accuracy = accuracy_costs() if accuracy is None else accuracy
     return Prediction(
         candidate=cand, period=period,
@@ -181,7 +266,7 @@ def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Predicti
         bits_per_param=8 * sum(op.contributed() for op in ops) / period / job.numel,
         comm_s=comm, work_s=work, exposed_overlap_s=exposed, step_s=step,
         compute_s=job.step_time, throughput=n * job.batch_size / step, efficiency=job.step_time / step,
-        accuracy=accuracy.get(cand.key, UNMEASURED))
+        accuracy=accuracy.get(cand.key, UNMEASURED), hierarchical=hierarchical)
 
 
 def rank_candidates(job: Job, candidates=CANDIDATES) -> list[Prediction]:

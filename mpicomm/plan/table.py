@@ -16,7 +16,8 @@ def _row(i: int, p, sources: list[str]) -> tuple[str, ...]:
         acc = f"{p.accuracy.points:+.2f} [{sources.index(p.accuracy.source) + 1}]"
     else:
         acc = "unmeasured"
-    return (str(i), c.algorithm, c.setting, f"{p.bits_per_param:.2f}", f"{p.sent_per_step / 1e6:.3f}",
+    setting = c.setting + (", two levels" if p.hierarchical else "")
+    return (str(i), c.algorithm, setting, f"{p.bits_per_param:.2f}", f"{p.sent_per_step / 1e6:.3f}",
             f"{1e3 * p.comm_s:.2f}",
             f"{1e3 * p.exposed_overlap_s:.2f}" if c.overlap else "-", f"{1e3 * p.work_s:.2f}",
             f"{1e3 * p.step_s:.2f}", f"{p.speedup:.2f}x", f"{p.throughput:,.0f}", f"{100 * p.efficiency:.0f} %", acc)
@@ -41,12 +42,12 @@ def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") ->
     lines.append("MB/step: bytes sent per step and rank (the Ledger's count), averaged over a period; "
                  "comm: communication per step, all exposed without overlap; overlapped: what stays exposed with "
                  "overlap=True (buckets sent as backward, 2/3 of the compute, makes them ready; gossip hidden behind "
-                 "the whole step); the step takes the smaller.")
+                 "the whole step); the step takes the smaller." + (
+                     " Across nodes each method is priced flat (the node's card shared by its ranks) and in two "
+                     "levels, and takes the faster (two levels: hierarchical=True; bytes are the flat exchange's)." if job.two_level else ""))
     if choice is not None:
         c = choice.candidate
-        options = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
-        if choice.overlap_helps:
-            options = ", ".join(x for x in (options, "overlap=True") if x)
+        options = ", ".join(f"{k}={v!r}" for k, v in choice.options.items())
         lines += ["", f"auto: {c.algorithm} ({c.setting})" + (f" with {options}" if options else ""),
                   f"  why: {reason}"]
     elif refusal:

@@ -1,0 +1,47 @@
+"""The planner across nodes: a flat collective shares the node's card, two levels are priced as they run, and the
+choice carries the ``hierarchical`` it was priced with. Expected seconds are worked by hand from the alpha-beta
+formulas (zero latency, so only the bandwidth terms remain)."""
+
+import pytest
+
+from mpicomm.plan import Job, predict
+from mpicomm.plan.candidates import candidate
+from mpicomm.plan.shapes import layers_from_params
+
+MIB4 = 4 * 1024 * 1024  # one 1024 x 1024 fp32 matrix
+NET = "intra=100gbit,0us,inter=1gbit,0us"  # 12.5e9 and 125e6 bytes/s
+
+
+def _job(ranks, per_node, step_time=1e-3, net=NET):
+    return Job(layers_from_params(1024 * 1024), ranks, net, step_time, per_node, 32, {})
+
+
+def test_flat_allreduce_across_nodes_shares_the_card_and_loses_to_two_levels():
+    pred = predict(_job(8, 4), candidate("allreduce_sgd"))
+    # flat, 8 ranks, 4 on each card: 2 * 7/8 * (4 * 4 MiB) / 125e6 = 0.2348810 s
+    # two levels: reduce-scatter 3/4 * 4 MiB / 12.5e9 + allgather 3 * 1 MiB / 12.5e9 = 0.0005033 s inside,
+    #             allreduce of 4 MiB over 2 nodes 2 * 1/2 * 4 MiB / 125e6 = 0.0335544 s between
+    assert pred.hierarchical is True
+    assert pred.comm_s == pytest.approx(0.0340577, rel=1e-5)
+    assert pred.options == {"hierarchical": True} and not pred.overlap_helps
+
+
+def test_two_levels_lose_where_the_inside_link_is_as_slow():
+    pred = predict(_job(8, 4, net="intra=1gbit,0us,inter=1gbit,0us"), candidate("dpsgd"))
+    # flat ring gossip: 2 neighbours x 4 MiB through one boundary rank's share of the card: 8 MiB / 125e6
+    # = 0.0671089 s; two levels: 0.0503316 s inside + 4 MiB to the one other node 0.0335544 s = 0.0838861 s
+    assert pred.hierarchical is False
+    assert pred.comm_s == pytest.approx(0.0671089, rel=1e-5)
+    assert pred.options["hierarchical"] is False
+
+
+def test_one_node_weighs_no_levels_and_shares_no_card():
+    pred = predict(_job(4, 4), candidate("allreduce_sgd"))
+    # on intra, no sharing: 2 * 3/4 * 4 MiB / 12.5e9 = 0.0005033 s
+    assert pred.hierarchical is None and "hierarchical" not in pred.options
+    assert pred.comm_s == pytest.approx(0.00050332, rel=1e-4)
+
+
+def test_unequal_nodes_weigh_no_levels():
+    assert not _job(6, 4).two_level and _job(8, 4).two_level and not _job(8, 1).two_level
+    assert predict(_job(6, 4), candidate("allreduce_sgd")).hierarchical is None
