@@ -2,7 +2,7 @@
 
 Launch under MPI as ``mpiexec -n 4 mpicomm demo``. The entry point aborts the whole job when any
 rank raises, so a failure never leaves other ranks blocked in a collective. ``plot``, ``export``,
-``slurm`` and ``plan`` run without MPI.
+``slurm`` and ``plan`` run without MPI, except ``plan --calibrate`` (under ``mpiexec``: it measures the transport).
 """
 
 from __future__ import annotations
@@ -91,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(args)
     if args.command == "plan":
+        from .plan.command import calibrate_main
         from .plan.command import main as plan_main
+
+        if args.calibrate:
+            return calibrate_main(args)  # under MPI: its own lines and exit status on every rank
 
         try:
             print(plan_main(args))

@@ -4,8 +4,8 @@ Run in-process by the apps' ``main`` on the 2-rank tier. On a 100 kbit/s network
 fp32 exchange takes seconds against a compute step well under one, so the choice must be a compressed method
 (the planner's ranking itself is tested against known answers in ``test_plan.py``); the resumed run, told
 the network is fast (where the planner takes AllReduce-SGD), keeps the recorded choice instead. An impossible
-tolerance or a bad network is one line, exit 2. The network probe, which runs when no network is given, waits
-under the hang guard and books nothing.
+tolerance or a bad network is one line, exit 2. The transport's calibration, which runs when no network is
+given, is tested in ``test_calibrate_mpi.py``.
 """
 
 import json
@@ -112,52 +112,6 @@ def test_wrap_auto_takes_a_method_for_the_user_optimizer_and_trains(comm):
     except Exception as exc:  # noqa: BLE001 - reported collectively
         problem = repr(exc)
     assert_all(comm, not problem, problem)
-
-
-def test_the_network_probe_waits_under_the_hang_guard_books_nothing_and_agrees(comm):
-    """Every MPI call of the probe is made inside a hang-guard wait; nothing lands in the Ledger; every rank gets
-    the same setting."""
-    import contextlib
-
-    from mpicomm import topology
-    from mpicomm.comm import Communicator
-    from mpicomm.comm.probe import probe_network
-
-    c = Communicator(comm, topology.ring(comm.Get_size()))
-    waits, calls = [], []
-    original = c.guard.waiting
-
-    @contextlib.contextmanager
-    def waiting(what):
-        waits.append(what)
-        try:
-            with original(what):
-                yield
-        finally:
-            waits.pop()
-
-    class Watched:  # the raw communicator, each call noted with whether a guarded wait was open
-        def __init__(self, raw):
-            self.raw = raw
-
-        def __getattr__(self, name):
-            def call(*args, **kwargs):
-                calls.append((name, bool(waits)))
-                return getattr(self.raw, name)(*args, **kwargs)
-            return call
-
-    raw, c.comm, c.guard.waiting = c.comm, Watched(c.comm), waiting
-    try:
-        spec = probe_network(c)
-    finally:
-        c.comm = raw
-        del c.guard.waiting  # the process's guard: its own method again
-    unguarded = [name for name, guarded in calls if not guarded]
-    names = {name for name, _ in calls}
-    settings = comm.allgather(str(spec))
-    ok = not unguarded and {"Allreduce", "Barrier"} <= names and c.ledger.bytes_sent() == 0 \
-        and len(set(settings)) == 1 and spec.bits_per_s > 0
-    assert_all(comm, ok, f"unguarded {unguarded}; calls {sorted(names)}; sent {c.ledger.bytes_sent()}; {settings}")
 
 
 def test_wrap_auto_without_a_step_time_is_one_error_on_every_rank(comm):

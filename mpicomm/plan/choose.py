@@ -1,22 +1,26 @@
-"""The planner's choice inside a running job: probe the network, rank the candidates on one rank, agree.
+"""The planner's choice inside a running job: measure the transport, rank the candidates on one rank, agree.
 
 Shared by the apps' ``--algorithm auto`` (:mod:`mpicomm.training.auto`) and the library's
-``mpicomm.wrap(model, optimizer, "auto", step_time=...)``. The network is the given ``--net`` setting or a
-probe of the real transport (:func:`mpicomm.comm.probe.probe_network`: the median of 20 allreduces of 8 bytes
-gives the latency and of 5 allreduces of 4 MiB the bandwidth, read through the same ring-allreduce formula the
-planner prices with; ``fast`` on one rank). Rank 0 ranks the candidates on the model's real parameter shapes and
-takes the fastest whose measured accuracy cost is within the tolerance; every rank gets its choice as a
-record (the choice, its options, why, what was measured, the five fastest predictions, what was left out).
+``mpicomm.wrap(model, optimizer, "auto", step_time=...)``. The network is the given ``--net`` setting or a quick
+calibration of the real transport (:func:`mpicomm.comm.calibrate.calibrate` with ``quick=True``: ping-pong
+latency, allreduce, allgather and ring exchange at 8 B to 8 MiB, the hidden fraction; at most about 2 s), priced by
+its :class:`~mpicomm.net.MeasuredCostModel` (``fast`` on one rank, where nothing crosses a network); the record's
+``net`` is then the calibration's one-line summary, ``net_source`` ``calibrated`` and ``calibration`` its JSON
+fields. Rank 0 ranks the candidates on the model's real parameter shapes and takes the fastest whose measured
+accuracy cost is within the tolerance; every rank gets its choice as a record (the choice, its options, why, what
+was measured, the five fastest predictions, what was left out).
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.centralized.adam import AdamConfig
 from ..comm import raise_together
-from ..comm.probe import probe_network
+from ..comm.calibrate import calibrate
 
 __all__ = ["plan_choice"]
 
@@ -26,21 +30,27 @@ def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolera
                 who: str = "algorithm='auto'", flag: str = "tolerance") -> dict:
     """Collective: the planner's choice for ``model`` on the Communicator ``comm``, as a record (every rank).
 
-    ``step_time``: compute seconds per step (agreed); ``net``: a ``--net`` setting, or ``""`` to probe the
+    ``step_time``: compute seconds per step (agreed); ``net``: a ``--net`` setting, or ``""`` to calibrate the
     transport; ``overlap``: whether the choice may overlap its exchange; ``user_optimizer``: only methods
     that take the user's optimizer qualify (else the Adam-type ones, whose lr is on another scale, are left
     out); ``who`` and ``flag``: how the caller names the request and the tolerance in a refusal.
     ``ValueError`` (one line, every rank) when no measured candidate is within ``tolerance``.
     """
-    if not net:
-        net, net_source = str(probe_network(comm) or "fast"), "probed"
+    calibration = None
+    if not net and comm.size > 1:
+        calibration = calibrate(comm, quick=True)
+        net, net_source = calibration.summary(), "calibrated"
+    elif not net:
+        net, net_source = "fast", "one rank"
     ranks_per_node = comm.node_layout(require_equal=False).local_size
     record, refusal = None, ""
     if comm.rank == 0:  # one rank plans (codec costs are timed where none are cached), every rank follows
         try:
             record = _plan(model, comm.size, ranks_per_node, net, step_time, tolerance, batch_size, overlap,
-                           user_optimizer)
+                           user_optimizer, calibration)
             record.update(net=net, net_source=net_source, step_time_s=step_time, ranks_per_node=ranks_per_node)
+            if calibration is not None:
+                record["calibration"] = json.loads(calibration.to_json())
         except ValueError as exc:
             refusal = f"{who}: {str(exc).replace('--tolerance', flag)}"
     record, refusal = comm.bcast_object((record, refusal), 0, "the automatic choice")
@@ -54,14 +64,14 @@ def _qualifies(algorithm: str, user_optimizer: bool) -> bool:
 
 
 def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, step_time: float, tolerance: float,
-          batch_size: int, overlap: bool, user_optimizer: bool) -> dict:
+          batch_size: int, overlap: bool, user_optimizer: bool, calibration=None) -> dict:
     """Rank the planner's candidates for this job; the choice as a record (``ValueError``: one line)."""
     from ..plan.codec_cost import codec_costs
     from ..plan.model import Job, auto_choice, rank_candidates
     from ..plan.shapes import layers_of
 
     layers = layers_of([tuple(p.shape) for p in model.parameters() if p.requires_grad])
-    job = Job(layers, ranks, net, step_time, ranks_per_node, batch_size, codec_costs())
+    job = Job(layers, ranks, net, step_time, ranks_per_node, batch_size, codec_costs(), calibration=calibration)
     ranked = rank_candidates(job)
     preds = [p for p in ranked if _qualifies(p.candidate.algorithm, user_optimizer)]
     choice, reason = auto_choice(preds, tolerance)
