@@ -13,18 +13,22 @@ the same file and run set (negative: the method ended higher). Sources, best fir
 * ``peers_resnet.json``: ResNet-20 on digits, 4 ranks, 2 seeds, short runs (PowerSGD against AllReduce-SGD).
 * ``time_to_accuracy.json``: ResNet-20 on digits, 4 ranks, 6 epochs, one seed (PD-SGDM against AllReduce-SGD).
 
-A candidate without a row is "unmeasured". The files are read from the checkout's ``docs/results``
-(``MPICOMM_RESULTS_DIR`` elsewhere); missing files leave their candidates unmeasured.
+A candidate without a row is "unmeasured". The planner reads the costs from the table shipped inside the
+package, ``mpicomm/plan/accuracy_costs.json`` (so an installed package plans as the checkout does), which
+``python -m mpicomm.plan.accuracy`` writes from the checkout's ``docs/results`` after a results file changes
+(a test fails until it is rewritten). With ``MPICOMM_RESULTS_DIR`` set, the costs are derived from that folder
+instead; there, missing files leave their candidates unmeasured.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["NOISE_POINTS", "AccuracyCost", "accuracy_costs", "results_dir"]
+__all__ = ["NOISE_POINTS", "TABLE", "AccuracyCost", "accuracy_costs", "derive_costs", "results_dir", "write_table"]
 
 NOISE_POINTS = 0.3
 """Seed-to-seed noise of the measured accuracies (points), the default tolerance of the automatic choice."""
@@ -64,21 +68,26 @@ class AccuracyCost:
 UNMEASURED = AccuracyCost(None, "unmeasured")
 
 
+TABLE = Path(__file__).with_name("accuracy_costs.json")
+"""The shipped table of costs (package data), written by :func:`write_table`."""
+
+
 def results_dir() -> Path:
-    """The folder of the measured results."""
+    """The folder of measured results the costs are derived from: ``MPICOMM_RESULTS_DIR``, else the checkout's
+    ``docs/results``."""
     default = Path(__file__).resolve().parents[2] / "docs" / "results"
     return Path(os.environ.get("MPICOMM_RESULTS_DIR", default))
 
 
-def _load(name: str):
+def _load(folder: Path, name: str):
     try:
-        return json.loads((results_dir() / name).read_text())
+        return json.loads((folder / name).read_text())
     except (OSError, ValueError):
         return None
 
 
-def _scale(costs: dict) -> None:
-    data = _load("scale.json")
+def _scale(costs: dict, folder: Path) -> None:
+    data = _load(folder, "scale.json")
     if data is None:
         return
     means = {(r["part"], r["method"]): 100 * r["mean"] for r in data["rows"]
@@ -93,8 +102,8 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
-def _peers(costs: dict) -> None:
-    data = _load("peers_resnet.json")
+def _peers(costs: dict, folder: Path) -> None:
+    data = _load(folder, "peers_resnet.json")
     if data is None:
         return
     finals = {r["case"]: _mean(r["finals"]) for r in data["rows"] if r.get("setting") == "gbit"}
@@ -104,8 +113,8 @@ def _peers(costs: dict) -> None:
                                       "peers_resnet.json: digits ResNet-20, 4 ranks, 2 seeds, vs AllReduce-SGD")
 
 
-def _time_to_accuracy(costs: dict) -> None:
-    data = _load("time_to_accuracy.json")
+def _time_to_accuracy(costs: dict, folder: Path) -> None:
+    data = _load(folder, "time_to_accuracy.json")
     if data is None:
         return
     finals = {r["case"]: 100 * r["final_test_accuracy"] for r in data["rows"] if r.get("setting") == "gbit"}
@@ -115,8 +124,8 @@ def _time_to_accuracy(costs: dict) -> None:
                                       "time_to_accuracy.json: digits ResNet-20, 4 ranks, 1 seed, vs AllReduce-SGD")
 
 
-def _mnist1d(costs: dict) -> None:
-    data = _load("mnist1d.json")
+def _mnist1d(costs: dict, folder: Path) -> None:
+    data = _load(folder, "mnist1d.json")
     if data is None:
         return
     means = {entry: 100 * r["mean"] for entry, r in data["results"].items() if r.get("failed") == 0 and r["mean"]}
@@ -129,11 +138,47 @@ def _mnist1d(costs: dict) -> None:
                                       "vs AllReduce-SGD")
 
 
-def accuracy_costs() -> dict[str, AccuracyCost]:
-    """Candidate key -> its measured :class:`AccuracyCost` (keys without a measurement are absent)."""
+def derive_costs(folder: Path) -> dict[str, AccuracyCost]:
+    """Candidate key -> its :class:`AccuracyCost` as derived from the results files in ``folder`` (keys without
+    a measurement are absent; a missing file leaves its candidates out)."""
     costs: dict[str, AccuracyCost] = {}
-    _time_to_accuracy(costs)
-    _peers(costs)
-    _scale(costs)
-    _mnist1d(costs)
+    for source in (_time_to_accuracy, _peers, _scale, _mnist1d):  # later sources take precedence
+        source(costs, folder)
     return costs
+
+
+def accuracy_costs() -> dict[str, AccuracyCost]:
+    """Candidate key -> its measured :class:`AccuracyCost` (keys without a measurement are absent): the shipped
+    :data:`TABLE`, or what ``MPICOMM_RESULTS_DIR``'s files give when it is set."""
+    if "MPICOMM_RESULTS_DIR" in os.environ:
+        return derive_costs(results_dir())
+    try:
+        rows = json.loads(TABLE.read_text())["costs"]
+    except OSError:  # an install without its package data: every candidate unmeasured, auto refuses
+        return {}
+    return {key: AccuracyCost(row["points"], row["source"]) for key, row in rows.items()}
+
+
+def write_table(folder: Path, table: Path = TABLE) -> dict[str, AccuracyCost]:
+    """Write the costs derived from ``folder`` to ``table`` (the shipped one by default); returns them."""
+    costs = derive_costs(folder)
+    text = json.dumps({"derived_from": "docs/results by python -m mpicomm.plan.accuracy",
+                       "costs": {key: asdict(costs[key]) for key in sorted(costs)}}, indent=1)
+    table.write_text(text + "\n")
+    return costs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m mpicomm.plan.accuracy``: rewrite the shipped table from the measured results (the checkout's
+    ``docs/results``, or ``MPICOMM_RESULTS_DIR``)."""
+    parser = argparse.ArgumentParser(prog="python -m mpicomm.plan.accuracy", description=main.__doc__)
+    parser.parse_args(argv)
+    folder = results_dir()
+    if not folder.is_dir():
+        parser.error(f"{folder}: no results folder (run from a checkout, or set MPICOMM_RESULTS_DIR)")
+    costs = write_table(folder)
+    print(f"{TABLE}: {len(costs)} candidates from {folder}")
+
+
+if __name__ == "__main__":
+    main()
