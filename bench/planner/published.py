@@ -1,4 +1,4 @@
-"""The planner's scale predictions against published tables: 1-bit Adam, DeepSpeed, Horovod, DiLoCo.
+"""The planner's scale predictions against published tables: 1-bit Adam, DeepSpeed, Horovod, DiLoCo, ZeRO++, BAGUA.
 
     python bench/planner/published.py [--out planner_published]
 
@@ -6,17 +6,19 @@ No MPI and no measurement: each case builds the planner's :class:`~mpicomm.plan.
 setting (model shapes, GPUs, GPUs per node, network, compute time per step, batch), predicts the figure the
 source reports with :func:`~mpicomm.plan.model.predict`, and sets it beside the published number. Every
 source ran on GPUs, so no codec work is counted (``codec_costs={}``, the ``--no-codec-work`` equivalent: this
-project's codec costs are CPU timings). Within 25 % (0.75 <= predicted / published <= 1.25) counts as a match.
+project's codec costs are CPU timings). Within 25 % (0.75 <= predicted / published <= 1.25) is a match; each
+row is classed identity (listed, never counted), fitted (an input the source does not state, named on the row)
+or stated, and the title counts matches per class (:mod:`bench.planner.published_common`).
 
 Cases and sources (the full citations are in ``SOURCES``):
 
 * ``1bit-T1``: Tang et al., 1-bit Adam (ICML 2021, arXiv:2102.02888), section 3.1, Table 1: BERT-Large
   pre-training (sequence 128, FP16, batch 16 per GPU) profiled on V100 clusters, the milliseconds of the
   gradient allreduce per step at 4 to 64 GPUs. Ethernet cluster: 4 GPUs per node, 40 Gbit/s Ethernet, whose
-  effective bandwidth the DeepSpeed blog gives as 4.1 Gbit/s (iperf); priced at both. InfiniBand cluster:
-  8 GPUs per node, priced at the 32 Gbit/s effective that the blog gives for its 40 Gbit/s InfiniBand QDR
-  cluster (an assumption: the link of the paper's InfiniBand cluster could not be read from the primary
-  text here). Our prediction: the ring allreduce of the FP16 gradients (2 bytes per parameter of the
+  effective bandwidth the DeepSpeed blog gives as 4.1 Gbit/s (iperf); priced at both (stated, fitted).
+  InfiniBand cluster: 8 GPUs per node, priced at the 32 Gbit/s effective that the blog gives for its 40 Gbit/s
+  InfiniBand QDR cluster (an assumption: the link of the paper's InfiniBand cluster could not be read from the
+  primary text here). Our prediction: the ring allreduce of the FP16 gradients (2 bytes per parameter of the
   ``bert-large`` shapes, no overlap: the table times the allreduce as its own phase).
 * ``deepspeed-blog``: the DeepSpeed 1-bit Adam post (2020-09-09): up to 6.6x higher throughput during the
   compression stage on 40 Gbit Ethernet and up to 2x on 40 Gbit InfiniBand QDR (BERT-Large, V100, batch 16
@@ -32,6 +34,8 @@ Cases and sources (the full citations are in ``SOURCES``):
 * ``diloco``: DiLoCo (Douillard et al. 2023, arXiv:2311.08105): 8 workers communicate 500x less than fully
   synchronous training. Our prediction: the bytes per step of ``allreduce_sgd`` over those of DiLoCo with
   one fp32 outer allreduce every H = 500 inner steps (a check of the planner's period accounting only).
+* ``zeropp`` and ``bagua``: ZeRO++'s speed-up over ZeRO-3 at 100 to 800 Gbit/s and BAGUA's VGG16 throughput
+  per algorithm at 100 and 10 Gbit/s (:mod:`bench.planner.published_network`).
 
 Not compared (no published number for the setting could be read here): PowerSGD's time per batch (Vogels et
 al. 2019: only its abstract could be read here), APMSqueeze's per-bandwidth speed-ups (arXiv:2008.11343:
