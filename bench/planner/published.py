@@ -437,10 +437,12 @@ def main() -> None:
     sources = ["Sources", ""] + [f"* `{key}`: {text}" for key, text in every.items()]
     title = ("The planner against published scale figures (1-bit Adam's Table 1, DeepSpeed's 1-bit Adam post, "
              f"Horovod's benchmark, DiLoCo, ZeRO++, BAGUA): {summary_line(rows)}")
-    write_table(args.out, title, "\n\n".join([table, "\n".join(notes(rows)), "\n".join(sources)]),
+    command = "python bench/planner/published.py" + ("" if args.out == "planner_published" else f" --out {args.out}")
+    body = [f"Command: `{command}`", table, "\n".join(notes(rows)), "\n".join(sources)]
+    write_table(args.out, title, "\n\n".join(body),
                 {"tolerance": TOLERANCE, "codec_costs": NO_CODEC_WORK, "counts": counts(rows),
                  "summary": summary_line(rows), "nets": nets(), "sources": every, "rows": rows,
-                 "command": "python bench/planner/published.py"})
+                 "command": command})
 
 
 if __name__ == "__main__":
