@@ -3,6 +3,7 @@ choice carries the ``hierarchical`` it was priced with. Expected seconds are wor
 formulas (zero latency, so only the bandwidth terms remain)."""
 
 import pytest
+import torch
 
 from mpicomm.plan import Job, predict
 from mpicomm.plan.candidates import candidate
@@ -45,3 +46,21 @@ def test_one_node_weighs_no_levels_and_shares_no_card():
 def test_unequal_nodes_weigh_no_levels():
     assert not _job(6, 4).two_level and _job(8, 4).two_level and not _job(8, 1).two_level
     assert predict(_job(6, 4), candidate("allreduce_sgd")).hierarchical is None
+
+
+def _record(monkeypatch, ranks, per_node):
+    from mpicomm.plan import choose, codec_cost
+
+    monkeypatch.setattr(codec_cost, "codec_costs", lambda: {})  # no timing of codecs in a unit test
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    return choose._plan(model, ranks, per_node, NET, 1e-3, 0.3, 32, True, False)
+
+
+def test_the_choice_carries_the_levels_it_was_priced_with(monkeypatch):
+    across = _record(monkeypatch, 8, 4)
+    chosen = predict(_job(8, 4), candidate(across["candidate"]))
+    assert chosen.hierarchical is True  # on this network every candidate's two levels win
+    assert across["options"]["hierarchical"] is True and "overlap" not in across["options"]
+    assert across["label"].endswith(", two levels")
+    one_node = _record(monkeypatch, 4, 4)
+    assert "hierarchical" not in one_node["options"] and "two levels" not in one_node["label"]

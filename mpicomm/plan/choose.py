@@ -76,10 +76,11 @@ def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, ste
     preds = [p for p in ranked if _qualifies(p.candidate.algorithm, user_optimizer)]
     choice, reason = auto_choice(preds, tolerance)
     cand = choice.candidate
-    options = dict(cand.options)
-    if overlap and choice.overlap_helps:
-        options["overlap"] = True  # the prediction hides the exchange behind backward
-    return {"algorithm": cand.algorithm, "candidate": cand.key, "label": cand.setting, "options": options,
+    options = choice.options  # hierarchical as priced; overlap where the prediction hides the exchange
+    if not overlap:
+        options.pop("overlap", None)
+    label = cand.setting + (", two levels" if choice.hierarchical else "")
+    return {"algorithm": cand.algorithm, "candidate": cand.key, "label": label, "options": options,
             "reason": reason, "tolerance": tolerance,
             "left_out": [p.candidate.key for p in ranked if p not in preds], "predicted_step_s": choice.step_s,
             "fastest": [{"candidate": p.candidate.key, "step_s": p.step_s,

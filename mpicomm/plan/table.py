@@ -44,7 +44,8 @@ def format_plan(job, preds, choice=None, reason: str = "", refusal: str = "") ->
                  "overlap=True (buckets sent as backward, 2/3 of the compute, makes them ready; gossip hidden behind "
                  "the whole step); the step takes the smaller." + (
                      " Across nodes each method is priced flat (the node's card shared by its ranks) and in two "
-                     "levels, and takes the faster (two levels: hierarchical=True; bytes are the flat exchange's)." if job.two_level else ""))
+                     "levels, and takes the faster (two levels: hierarchical=True; bytes are the flat "
+                     "exchange's)." if job.two_level else ""))
     if choice is not None:
         c = choice.candidate
         options = ", ".join(f"{k}={v!r}" for k, v in choice.options.items())
