@@ -121,10 +121,11 @@ def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = F
 
     ``transport``: its label (``default`` when empty; letters, digits, ``.``, ``_``, ``-``); ``sizes``: message
     bytes (multiples of 4) timed per operation, ascending; ``quick``: fewer repeats and a smaller time budget.
-    The time is bounded on a slow network: after the first two sizes, a size whose calls (estimated in proportion
-    to the last size's) would take the calibration past :data:`BUDGET_S` (:data:`QUICK_BUDGET_S` when quick) is
-    left out with every larger one, and the hidden fraction's exchange shrinks from :data:`HIDDEN_BYTES` until
-    it fits. ``ValueError`` (one line, every rank) on one rank or for a bad label or sizes.
+    The time is bounded on a slow network: after the first two sizes, a size whose calls (estimated from the
+    table so far, its last slope continued) would take the sizes past half of :data:`BUDGET_S`
+    (:data:`QUICK_BUDGET_S` when quick) is left out with every larger one, and the hidden fraction's exchange
+    shrinks from :data:`HIDDEN_BYTES` until it fits the other half. ``ValueError`` (one line, every rank) on one
+    rank or for a bad label or sizes.
     """
     label = check_label(transport)
     sizes = tuple(sizes)
@@ -150,7 +151,7 @@ def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = F
             if i + 1 < len(sizes):
                 spent = max(comm.allgather_object(time.perf_counter() - start, _WHAT))
                 nxt = sizes[i + 1]
-                estimate = sum(slowest) * nxt / nbytes * (_repeats(nxt, quick) + 1)
+                estimate = sum(interpolate(rows, nxt) for rows in tables.values()) * (_repeats(nxt, quick) + 1)
                 if i >= 1 and spent + estimate > budget / 2:  # half the budget for the sizes, half for overlap
                     break
         repeats = 3 if quick else 5
