@@ -64,3 +64,22 @@ def test_the_choice_carries_the_levels_it_was_priced_with(monkeypatch):
     assert across["label"].endswith(", two levels")
     one_node = _record(monkeypatch, 4, 4)
     assert "hierarchical" not in one_node["options"] and "two levels" not in one_node["label"]
+
+
+def _measured_job(hidden):
+    from mpicomm.net.calibration import Calibration
+
+    tables = {op: [(1000, 0.001), (1_000_000, 0.1)] for op in ("allreduce", "allgather", "neighbor")}
+    cal = Calibration(4, "test", "host", 1e-5, tables, hidden)
+    return Job(layers_from_params(1024 * 1024), 4, "measured", 0.2, 4, 32, {}, calibration=cal)
+
+
+def test_overlap_is_credited_by_the_measured_hidden_fraction():
+    # 4 MiB to each ring neighbour, past the table's end: 0.1 + (4194304 - 1e6) * 0.099 / 999000 = 0.4165526 s
+    half = predict(_measured_job(0.5), candidate("dpsgd"))
+    assert half.comm_s == pytest.approx(0.4165526, rel=1e-6)
+    assert half.exposed_overlap_s == pytest.approx(0.4165526 - 0.5 * 0.2, rel=1e-6) and half.overlap_helps
+    none = predict(_measured_job(0.0), candidate("dpsgd"))
+    assert none.exposed_overlap_s == pytest.approx(none.comm_s) and not none.overlap_helps
+    unmeasured = predict(_measured_job(None), candidate("dpsgd"))  # no measurement: the modelled credit
+    assert unmeasured.exposed_overlap_s == pytest.approx(0.4165526 - 0.2, rel=1e-6)

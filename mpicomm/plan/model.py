@@ -128,7 +128,7 @@ class Job:
     def hidden_fraction(self) -> float:
         """Share of an overlapped exchange the transport moves while the rank computes: the calibration's
         measurement, else 1 (a modelled network's transfers complete on the clock)."""
-        measured = getattr(getattr(self, "calibration", None), "hidden_fraction", None)
+        measured = self.calibration.hidden_fraction if self.calibration is not None else None
         return 1.0 if measured is None else min(1.0, max(0.0, float(measured)))
 
     def cost_model(self) -> CostModel:
@@ -234,7 +234,7 @@ def _two_level_seconds(job: Job, cand: Candidate) -> tuple[float, float]:
     """Communication and codec work per step of ``cand`` in two levels (see the module docstring)."""
     per_node, nodes = job.ranks_per_node, job.nodes
     ops, period = cand.traffic(job.layers, nodes, ring_degree(nodes))
-    model = CostModel(parse_net(job.net)) if getattr(job, "calibration", None) is None else job.cost_model()
+    model = CostModel(parse_net(job.net)) if job.calibration is None else job.cost_model()
     intra, inter = model.on("intra"), model.on("inter")
     vector = 4 * job.numel
     inside = intra.reduce_scatter(vector, per_node) + intra.allgatherv(-(-vector // per_node), per_node)
