@@ -308,7 +308,8 @@ def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS) -> tup
     if not within:
         measured = [p.accuracy.points for p in preds if p.accuracy.measured]
         if not measured:
-            raise ValueError("no candidate has a measured accuracy cost (docs/results/*.json not found)")
+            raise ValueError("no candidate has a measured accuracy cost (the accuracy table "
+                             "mpicomm/plan/accuracy_costs.json is missing or empty)")
         raise ValueError(f"no measured candidate costs at most {tolerance} accuracy points (the least is "
                          f"{min(measured):+.2f}); raise --tolerance")
     best = min(within, key=lambda p: (p.step_s, p.candidate.key))
