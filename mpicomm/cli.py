@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                               "slurm/<preset>.sbatch)")
     from .plan.command import add_arguments as plan_arguments
 
-    plan_arguments(sub.add_parser("plan", help="rank the methods and settings by predicted step time (no MPI)"))
+    plan_arguments(sub.add_parser("plan", help="rank the methods and settings by predicted step time (no MPI; "
+                                                  "--calibrate, under mpiexec, measures the transport)"))
     return parser
 
 

@@ -142,6 +142,9 @@ def test_net_measured_prices_a_cached_calibration_and_refuses_none_in_one_line(t
     assert main([*job, "--ranks", "2", "--net", f"measured:{other}"]) == 2
     assert capsys.readouterr().err == (f"mpicomm plan: error: --net measured: no calibration at {other}; run mpiexec "
                                        f"-n 2 python -m mpicomm plan --calibrate --out {other} first\n")
+    assert main([*job, "--ranks", "1", "--net", "measured"]) == 2
+    assert capsys.readouterr().err == ("mpicomm plan: error: --net measured: one rank sends nothing and has no "
+                                       "calibration; any --net (e.g. fast) gives the same plan\n")
     assert main([*job, "--ranks", "4", "--net", "gbit", "--out", str(other)]) == 2
     assert capsys.readouterr().err == "mpicomm plan: error: --out is for --calibrate (the file to write the " \
                                       "calibration to)\n"

@@ -80,6 +80,9 @@ def _calibration(args):
         return None
     from ..net.calibration import Calibration, default_path
 
+    if args.ranks == 1 and net == "measured":
+        raise ValueError("--net measured: one rank sends nothing and has no calibration; any --net (e.g. fast) "
+                         "gives the same plan")
     path = net.partition(":")[2] or default_path(args.transport, args.ranks)
     transport = f" --transport {args.transport}" if args.transport else ""
     try:
