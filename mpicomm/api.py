@@ -132,10 +132,12 @@ def _check_environment() -> None:
     from .comm import query_cuda_aware
     from .comm.guard import hang_timeout_from_env, signal_grace_from_env
     from .comm.nodes import ranks_per_node_setting
+    from .comm.progress import progress_mode
 
     hang_timeout_from_env()
     signal_grace_from_env()
     ranks_per_node_setting()
+    progress_mode()
     if os.environ.get("MPICOMM_CUDA_AWARE") is not None:
         query_cuda_aware()
 

@@ -1,5 +1,6 @@
 """The only place mpicomm imports mpi4py: the world, the communicator, buffer routing, fail-fast, node layout."""
 
+from . import progress  # first: with MPICOMM_PROGRESS=mpich it sets MPICH's variable before mpi4py starts MPI
 from .buffers import BufferRouter, query_cuda_aware
 from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
@@ -19,6 +20,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "node_layout",
+    "progress",
     "query_cuda_aware",
     "raise_together",
     "world",

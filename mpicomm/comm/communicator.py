@@ -32,6 +32,7 @@ from .collectives import Collectives
 from .guard import process_guard
 from .handle import Handle, displacements
 from .nodes import NodeLayout, ranks_per_node_setting, shared_memory_spans_nodes
+from .progress import progress_mode
 from .world import abort_world, raw_comm
 
 __all__ = ["Communicator", "Handle"]
@@ -79,6 +80,7 @@ class Communicator(Collectives):
         self.clock = NetClock(CostModel(self.net) if self.net is not None else None)
         self.guard = process_guard(abort_world)
         self.guard.rank = MPI.COMM_WORLD.Get_rank()
+        progress_mode()  # a bad MPICOMM_PROGRESS is refused here, as a bad hang timeout is
         self.link = "inter"  # the link class this Communicator's calls are priced and booked on
         self._peer_ranks: tuple[int, ...] | None = None  # a child's ranks as its parent's (None: itself)
         self.ranks_per_node = ranks_per_node_setting(ranks_per_node)
