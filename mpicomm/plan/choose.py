@@ -7,8 +7,8 @@ latency, allreduce, allgather and ring exchange at 8 B to 8 MiB, the hidden frac
 its :class:`~mpicomm.net.MeasuredCostModel` (``fast`` on one rank, where nothing crosses a network); the record's
 ``net`` is then the calibration's one-line summary, ``net_source`` ``calibrated`` and ``calibration`` its JSON
 fields. Rank 0 ranks the candidates on the model's real parameter shapes and takes the fastest whose measured
-accuracy cost is within the tolerance; every rank gets its choice as a record (the choice, its options, why, what
-was measured, the five fastest predictions, what was left out).
+accuracy cost is within the tolerance; every rank gets its choice as a record (the choice, its options, its
+accuracy cost, why, what was measured, the five fastest predictions, what was left out).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, ste
         options.pop("overlap", None)
     label = cand.setting + (", two levels" if choice.hierarchical else "")
     return {"algorithm": cand.algorithm, "candidate": cand.key, "label": label, "options": options,
-            "reason": reason, "tolerance": tolerance,
+            "reason": reason, "tolerance": tolerance, "accuracy_points": choice.accuracy.points,
             "left_out": [p.candidate.key for p in ranked if p not in preds], "predicted_step_s": choice.step_s,
             "fastest": [{"candidate": p.candidate.key, "step_s": p.step_s,
                          "accuracy_points": p.accuracy.points if p.accuracy.measured else None}
