@@ -86,12 +86,15 @@ def test_json_round_trip_and_atomic_save(tmp_path):
     assert os.listdir(tmp_path / "sub") == ["c.json"]  # no temporary file left behind
     unmeasured = _calibration(hidden_fraction=None)
     assert Calibration.from_json(unmeasured.to_json()).hidden_fraction is None
+    buckets = _calibration(bucket_hidden_fraction=0.25)
+    assert Calibration.from_json(buckets.to_json()).bucket_hidden_fraction == 0.25
 
 
 @pytest.mark.parametrize("changes,line", [
     ({"ranks": 1}, "a calibration needs at least 2 ranks, got 1"),
     ({"latency_s": math.nan}, "a calibration's latency must be a finite number of seconds >= 0, got nan"),
     ({"hidden_fraction": 1.5}, "a calibration's hidden fraction must be in [0, 1] or None, got 1.5"),
+    ({"bucket_hidden_fraction": -0.1}, "a calibration's bucket hidden fraction must be in [0, 1] or None, got -0.1"),
     ({"tables": {"allreduce": [(8, 1e-5)]}}, "a calibration needs tables for allreduce, allgather, neighbor; "
                                               "allgather, neighbor missing"),
 ])

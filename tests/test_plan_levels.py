@@ -83,3 +83,13 @@ def test_overlap_is_credited_by_the_measured_hidden_fraction():
     assert none.exposed_overlap_s == pytest.approx(none.comm_s) and not none.overlap_helps
     unmeasured = predict(_measured_job(None), candidate("dpsgd"))  # no measurement: the modelled credit
     assert unmeasured.exposed_overlap_s == pytest.approx(0.4165526 - 0.2, rel=1e-6)
+
+
+def test_buckets_take_the_allreduce_hidden_fraction_where_it_was_measured():
+    from mpicomm.plan.candidates import BUCKETS, STEP
+
+    job = _measured_job(0.9)
+    assert job.hidden_fraction(STEP) == job.hidden_fraction(BUCKETS) == 0.9  # no allreduce measured: the exchange's
+    job.calibration.bucket_hidden_fraction = 0.25
+    assert (job.hidden_fraction(STEP), job.hidden_fraction(BUCKETS)) == (0.9, 0.25)
+    assert _job(4, 4).hidden_fraction(BUCKETS) == 1.0  # a modelled network

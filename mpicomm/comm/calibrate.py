@@ -10,7 +10,8 @@
   budget) takes ``t_block`` (the slowest rank's
   median); the same exchange posted non-blocking (``ineighbor_allgather``), then ``1.5 t_block`` of matrix
   products that never enter MPI, then ``wait()`` taking ``t_left``, hides ``1 - t_left / t_block`` (clamped to
-  0..1; each rank's median over the repeats, the least of the ranks).
+  0..1; each rank's median over the repeats, the least of the ranks); the same for an allreduce of as many bytes
+  (``iallreduce``, a gradient bucket), whose progress may differ (``MPICOMM_PROGRESS``).
 
 The collectives are the Communicator's own calls (what an algorithm pays per call, its Python included), run
 unmetered: nothing is booked in the Ledger nor charged by a ``--net`` model, and every wait is under the hang
@@ -91,14 +92,15 @@ def _compute_for(seconds: float) -> None:
         a = a @ a
 
 
-def _hidden(comm, graph, nbytes: int, repeats: int) -> float:
-    """Collective: the least of the ranks' median hidden fractions of a ring exchange of ``nbytes``."""
+def _hidden(comm, blocking, posting, nbytes: int, repeats: int) -> float:
+    """Collective: the least of the ranks' median hidden fractions of the call ``blocking`` of ``nbytes``, posted
+    non-blocking by ``posting`` (both take the tensor)."""
     x = torch.zeros(nbytes // 4)
-    t_block = max(comm.allgather_object(_median_call(comm, lambda: graph.neighbor_allgather(x), repeats), _WHAT))
+    t_block = max(comm.allgather_object(_median_call(comm, lambda: blocking(x), repeats), _WHAT))
     shares = []
     for _ in range(repeats):
         comm.barrier()
-        handle = graph.ineighbor_allgather(x)
+        handle = posting(x)
         _compute_for(1.5 * t_block)
         t0 = time.perf_counter()
         handle.wait()
@@ -155,11 +157,12 @@ def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = F
                 if i >= 1 and spent + estimate > budget / 2:  # half the budget for the sizes, half for overlap
                     break
         repeats = 3 if quick else 5
-        nbytes = _hidden_bytes(tables["neighbor"], budget / 2 / (1 + 3.5 * repeats))
-        hidden = _hidden(comm, graph, nbytes, repeats)
+        nbytes = _hidden_bytes(tables["neighbor"], budget / 4 / (1 + 3.5 * repeats))
+        hidden = _hidden(comm, graph.neighbor_allgather, graph.ineighbor_allgather, nbytes, repeats)
+        bucket = _hidden(comm, comm.allreduce, comm.iallreduce, nbytes, repeats)
     calibration = None
     if comm.rank == 0:
         calibration = Calibration(ranks=comm.size, transport=label, host=socket.gethostname(), latency_s=latency,
-                                  tables=tables, hidden_fraction=hidden,
+                                  tables=tables, hidden_fraction=hidden, bucket_hidden_fraction=bucket,
                                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     return comm.bcast_object(calibration, 0, _WHAT)

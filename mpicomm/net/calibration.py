@@ -107,7 +107,9 @@ class Calibration:
     ``transport``: its label; ``host``: the machine's name; ``latency_s``: one-way point-to-point latency;
     ``tables``: operation -> ``[(bytes, seconds)]`` for at least :data:`MEASURED_OPS`; ``hidden_fraction``: the
     share (0..1) of a non-blocking ring exchange that completes while the rank computes outside MPI, None when
-    not measured; ``created``: when (ISO 8601, UTC). ``ValueError`` (one line) for anything else.
+    not measured; ``bucket_hidden_fraction``: the same for a non-blocking allreduce (a gradient bucket), None when
+    not measured (the ring exchange's then stands for it); ``created``: when (ISO 8601, UTC). ``ValueError`` (one
+    line) for anything else.
     """
 
     ranks: int
@@ -117,14 +119,17 @@ class Calibration:
     tables: dict[str, list[tuple[int, float]]]
     hidden_fraction: float | None = None
     created: str = ""
+    bucket_hidden_fraction: float | None = None
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
             raise ValueError(f"a calibration needs at least 2 ranks, got {self.ranks!r}")
         if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ValueError(f"a calibration's latency must be a finite number of seconds >= 0, got {self.latency_s!r}")
-        if self.hidden_fraction is not None and not 0 <= self.hidden_fraction <= 1:
-            raise ValueError(f"a calibration's hidden fraction must be in [0, 1] or None, got {self.hidden_fraction!r}")
+        for name in ("hidden_fraction", "bucket_hidden_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"a calibration's {name.replace('_', ' ')} must be in [0, 1] or None, got {value!r}")
         missing = [op for op in MEASURED_OPS if op not in self.tables]
         if missing:
             raise ValueError(f"a calibration needs tables for {', '.join(MEASURED_OPS)}; {', '.join(missing)} missing")
@@ -146,7 +151,7 @@ class Calibration:
         """The calibration as a JSON text (:meth:`from_json` reads it back)."""
         return json.dumps({"ranks": self.ranks, "transport": self.transport, "host": self.host,
                            "latency_s": self.latency_s, "hidden_fraction": self.hidden_fraction,
-                           "created": self.created,
+                           "bucket_hidden_fraction": self.bucket_hidden_fraction, "created": self.created,
                            "tables": {op: [list(row) for row in rows] for op, rows in self.tables.items()}}, indent=1)
 
     @classmethod
@@ -156,7 +161,7 @@ class Calibration:
             data = json.loads(text)
             return cls(ranks=data["ranks"], transport=data["transport"], host=data["host"],
                        latency_s=data["latency_s"], hidden_fraction=data.get("hidden_fraction"),
-                       created=data.get("created", ""),
+                       bucket_hidden_fraction=data.get("bucket_hidden_fraction"), created=data.get("created", ""),
                        tables={op: [tuple(row) for row in rows] for op, rows in data["tables"].items()})
         except ValueError as exc:
             raise ValueError(f"not a calibration: {str(exc).splitlines()[0]}") from None
@@ -191,6 +196,8 @@ class Calibration:
         ops = "; ".join(f"{op} " + " / ".join(f"{_size(b)} {_seconds(t)}" for b, t in self.tables[op])
                         for op in MEASURED_OPS)
         hidden = "not measured" if self.hidden_fraction is None else f"{self.hidden_fraction:.2f}"
+        if self.bucket_hidden_fraction is not None:
+            hidden += f" (allreduce {self.bucket_hidden_fraction:.2f})"
         return (f"measured: {self.transport} on {self.host}, {self.ranks} ranks: latency {_seconds(self.latency_s)}; "
                 f"{ops}; hidden fraction {hidden}")
 

@@ -124,11 +124,15 @@ class Job:
         """Ranks sharing a node's network card in a flat allreduce, allgather or alltoall (1 on one node)."""
         return self.ranks_per_node if self.link == "inter" else 1
 
-    @property
-    def hidden_fraction(self) -> float:
-        """Share of an overlapped exchange the transport moves while the rank computes: the calibration's
-        measurement, else 1 (a modelled network's transfers complete on the clock)."""
-        measured = self.calibration.hidden_fraction if self.calibration is not None else None
+    def hidden_fraction(self, kind: str) -> float:
+        """Share of an overlapped exchange of overlap ``kind`` (:data:`~.candidates.STEP`: a neighbour exchange;
+        :data:`~.candidates.BUCKETS`: allreduces) the transport moves while the rank computes: the calibration's
+        measurement (the neighbour exchange's where the allreduce's is missing), else 1 (a modelled network's
+        transfers complete on the clock)."""
+        cal = self.calibration
+        measured = None if cal is None else cal.hidden_fraction
+        if cal is not None and kind == BUCKETS and cal.bucket_hidden_fraction is not None:
+            measured = cal.bucket_hidden_fraction
         return 1.0 if measured is None else min(1.0, max(0.0, float(measured)))
 
     def cost_model(self) -> CostModel:
@@ -227,7 +231,7 @@ def _exposed_with_overlap(job: Job, cand: Candidate, ops: list[Op], period: int,
         ideal = comm - min(comm, job.step_time)
     else:
         return comm
-    return comm - job.hidden_fraction * (comm - ideal)
+    return comm - job.hidden_fraction(cand.overlap) * (comm - ideal)
 
 
 def _two_level_seconds(job: Job, cand: Candidate) -> tuple[float, float]:
