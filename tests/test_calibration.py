@@ -151,3 +151,11 @@ def test_net_measured_prices_a_cached_calibration_and_refuses_none_in_one_line(t
     assert main([*job, "--ranks", "4", "--net", "gbit", "--out", str(other)]) == 2
     assert capsys.readouterr().err == "mpicomm plan: error: --out is for --calibrate (the file to write the " \
                                       "calibration to)\n"
+    assert main([*job, "--ranks", "4", "--net", "gbit", "--budget", "60"]) == 2
+    assert capsys.readouterr().err == "mpicomm plan: error: --budget is for --calibrate (the seconds the " \
+                                      "measurement may take)\n"
+    for bad in ("0", "nan", "1e9", "soon"):
+        with pytest.raises(SystemExit) as ended:
+            main(["plan", "--calibrate", "--budget", bad])
+        assert ended.value.code == 2
+        assert f"argument --budget: expected seconds in (0, 3600], got '{bad}'" in capsys.readouterr().err

@@ -29,16 +29,13 @@ import time
 import numpy as np
 import torch
 
-from ..net.calibration import Calibration, check_label, interpolate
+from ..net.calibration import BUDGET_S, QUICK_BUDGET_S, Calibration, check_label, interpolate
 from ..topology import ring
 
 __all__ = ["BUDGET_S", "DEFAULT_SIZES", "HIDDEN_BYTES", "QUICK_BUDGET_S", "calibrate"]
 
 DEFAULT_SIZES = (8, 64 << 10, 1 << 20, 8 << 20)
 """Message sizes (bytes) a calibration times by default."""
-BUDGET_S, QUICK_BUDGET_S = 10.0, 2.0
-"""About the most seconds a calibration takes (``quick=True``: the one a job runs before choosing its method);
-on loopback it takes a fraction of a second."""
 HIDDEN_BYTES = 4 << 20
 """Bytes per neighbour of the exchange whose hidden fraction is measured."""
 _WHAT = "the transport calibration"
@@ -117,12 +114,14 @@ def _hidden_bytes(neighbor: list[tuple[int, float]], seconds: float) -> int:
     return nbytes
 
 
-def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = False) -> Calibration:
+def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = False,
+              budget: float | None = None) -> Calibration:
     """Collective: the transport under the Communicator ``comm`` measured (see the module docstring), the same
     :class:`~mpicomm.net.Calibration` on every rank.
 
     ``transport``: its label (``default`` when empty; letters, digits, ``.``, ``_``, ``-``); ``sizes``: message
-    bytes (multiples of 4) timed per operation, ascending; ``quick``: fewer repeats and a smaller time budget.
+    bytes (multiples of 4) timed per operation, ascending; ``quick``: fewer repeats and a smaller time budget;
+    ``budget``: the seconds instead of :data:`BUDGET_S` (or :data:`QUICK_BUDGET_S`).
     The time is bounded on a slow network: after the first two sizes, a size whose calls (estimated from the
     table so far, its last slope continued) would take the sizes past half of :data:`BUDGET_S`
     (:data:`QUICK_BUDGET_S` when quick) is left out with every larger one, and the hidden fraction's exchange
@@ -137,7 +136,7 @@ def calibrate(comm, transport: str = "", sizes=DEFAULT_SIZES, *, quick: bool = F
                          f"got {sizes!r}")
     if comm.size < 2:
         raise ValueError(f"calibrating a transport needs at least 2 ranks, got {comm.size}")
-    budget = QUICK_BUDGET_S if quick else BUDGET_S
+    budget = budget or (QUICK_BUDGET_S if quick else BUDGET_S)
     start = time.perf_counter()
     graph = comm.on_graph(ring(comm.size))
     tables: dict[str, list[tuple[int, float]]] = {"allreduce": [], "allgather": [], "neighbor": []}

@@ -48,7 +48,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MEASURED_OPS", "Calibration", "MeasuredCostModel", "check_label", "default_path", "interpolate"]
+__all__ = ["BUDGET_S", "MEASURED_OPS", "QUICK_BUDGET_S", "Calibration", "MeasuredCostModel", "check_label",
+           "default_path", "interpolate"]
+
+BUDGET_S, QUICK_BUDGET_S = 10.0, 2.0
+"""About the most seconds a calibration takes by default (``quick``: the one a job runs before choosing its
+method; ``mpicomm plan --calibrate --budget`` sets another); on loopback it takes a fraction of a second."""
 
 MEASURED_OPS = ("allreduce", "allgather", "neighbor")
 """The operations a calibration times; every other one is derived (see the module docstring)."""

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 
+from ..net.calibration import BUDGET_S
 from .accuracy import NOISE_POINTS
 from .shapes import MAX_PARAMS, MODELS, layers_for_model, layers_from_params
 
@@ -46,6 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "(letters, digits, '.', '_', '-'; default 'default')")
     parser.add_argument("--out", default="", help="with --calibrate: the file to write (default: the cache, "
                                                   "calibration-HOST-TRANSPORT-RANKS.json)")
+    parser.add_argument("--budget", type=_budget, default=None,
+                        help=f"with --calibrate: seconds the measurement may take (default {BUDGET_S:g}; on a slow "
+                             "link a larger budget times the larger message sizes too)")
+
+
+def _budget(text: str) -> float:
+    """``--budget``: seconds in (0, 3600] (``argparse.ArgumentTypeError`` with one line otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
+    return value
 
 
 _JOB_OPTIONS = ("params", "model", "ranks", "net", "step_time", "measure")
@@ -64,6 +80,8 @@ def _check_options(args) -> None:
         return
     if args.out:
         raise ValueError("--out is for --calibrate (the file to write the calibration to)")
+    if args.budget is not None:
+        raise ValueError("--budget is for --calibrate (the seconds the measurement may take)")
     for names, present in ((("--params", "--model"), args.params is not None or args.model),
                            (("--ranks",), args.ranks is not None), (("--net",), args.net is not None),
                            (("--step-time", "--measure"), args.step_time is not None or args.measure)):
@@ -111,7 +129,7 @@ def calibrate_main(args) -> int:
         line, refusal = "", ""
         try:
             _check_options(args)
-            calibration = calibrate(comm, args.transport)
+            calibration = calibrate(comm, args.transport, budget=args.budget)
         except ValueError as exc:  # the same on every rank
             refusal = str(exc)
         if not refusal and comm.rank == 0:
