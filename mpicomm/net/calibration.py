@@ -48,6 +48,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..topology import ring_degree
+
 __all__ = ["BUDGET_S", "MEASURED_OPS", "QUICK_BUDGET_S", "Calibration", "MeasuredCostModel", "check_label",
            "default_path", "interpolate"]
 
@@ -97,12 +99,6 @@ def _slope(table: list[tuple[int, float]]) -> float:
         return 0.0
     (b0, t0), (b1, t1) = table[-2], table[-1]
     return max((t1 - t0) / (b1 - b0), 0.0)
-
-
-def _ring_degree(n: int) -> int:
-    from ..topology import ring
-
-    return len(ring(n).out_neighbors(0))
 
 
 @dataclass
@@ -227,7 +223,7 @@ class MeasuredCostModel:
     def __init__(self, calibration: Calibration):
         self.calibration = calibration
         self.ranks = calibration.ranks
-        self.degree = _ring_degree(calibration.ranks)
+        self.degree = ring_degree(calibration.ranks)
         self.alpha = calibration.latency_s
         self.seconds_per_byte = _slope(calibration.tables["neighbor"]) / self.degree
         self.beta = 1 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf

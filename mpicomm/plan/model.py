@@ -45,13 +45,12 @@ predicted step.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from ..algorithms.shared.buckets import OverlapConfig, bucket_ranges
 from ..net import CostModel, parse_net
-from ..topology import ring
+from ..topology import ring_degree
 from .accuracy import NOISE_POINTS, UNMEASURED, AccuracyCost, accuracy_costs
 from .candidates import BUCKETS, CANDIDATES, STEP, Candidate
 from .shapes import numel
@@ -93,8 +92,7 @@ class Job:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         check_step_time(self.step_time)
-        measured = self.calibration is not None and self.net.startswith("measured")
-        if not measured and parse_net(self.net) is None:
+        if self.calibration is None and parse_net(self.net) is None:  # a calibration prices; net is its label
             raise ValueError("--net is required: a setting such as 1gbit,100us, a name (fast, gbit, slow, ib, pcie, "
                              "nvlink) or intra=...,inter=...")
 
@@ -130,22 +128,19 @@ class Job:
         measurement (the neighbour exchange's where the allreduce's is missing), else 1 (a modelled network's
         transfers complete on the clock)."""
         cal = self.calibration
-        measured = None if cal is None else cal.hidden_fraction
-        if cal is not None and kind == BUCKETS and cal.bucket_hidden_fraction is not None:
-            measured = cal.bucket_hidden_fraction
-        return 1.0 if measured is None else min(1.0, max(0.0, float(measured)))
+        if cal is None:
+            return 1.0
+        if kind == BUCKETS and cal.bucket_hidden_fraction is not None:
+            return cal.bucket_hidden_fraction
+        return 1.0 if cal.hidden_fraction is None else cal.hidden_fraction
+
+    def network(self) -> CostModel:
+        """The network model of both link classes (the calibration's, when measured)."""
+        return CostModel(parse_net(self.net)) if self.calibration is None else self.calibration.cost_model()
 
     def cost_model(self) -> CostModel:
         """The network model of the link the job's collectives cross (the calibration's, when measured)."""
-        if self.calibration is not None:
-            return self.calibration.cost_model()
-        return CostModel(parse_net(self.net)).on(self.link)
-
-
-@functools.lru_cache(maxsize=64)
-def ring_degree(n: int) -> int:
-    """Out-degree of the ring on ``n`` ranks (0 for one rank)."""
-    return len(ring(n).out_neighbors(0)) if n > 1 else 0
+        return self.network().on(self.link)
 
 
 @dataclass(frozen=True)
@@ -238,8 +233,8 @@ def _two_level_seconds(job: Job, cand: Candidate) -> tuple[float, float]:
     """Communication and codec work per step of ``cand`` in two levels (see the module docstring)."""
     per_node, nodes = job.ranks_per_node, job.nodes
     ops, period = cand.traffic(job.layers, nodes, ring_degree(nodes))
-    model = CostModel(parse_net(job.net)) if job.calibration is None else job.cost_model()
-    intra, inter = model.on("intra"), model.on("inter")
+    network = job.network()
+    intra, inter = network.on("intra"), network.on("inter")
     vector = 4 * job.numel
     inside = intra.reduce_scatter(vector, per_node) + intra.allgatherv(-(-vector // per_node), per_node)
     between = sum(op.seconds(inter, nodes) for op in ops)  # L shards of 1/L through one card: the whole vector

@@ -30,6 +30,7 @@ from .graphs import (
     one_peer_exponential,
     random_regular,
     ring,
+    ring_degree,
     star,
     torus,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "one_peer_exponential",
     "random_regular",
     "ring",
+    "ring_degree",
     "star",
     "torus",
 ]

@@ -19,6 +19,7 @@ two the product of the one-peer matrices over one period is exactly ``11^T/n``.
 
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Integral
 from typing import Callable, Union
@@ -39,6 +40,7 @@ __all__ = [
     "one_peer_exponential",
     "random_regular",
     "ring",
+    "ring_degree",
     "star",
     "torus",
 ]
@@ -117,6 +119,12 @@ def ring(n: int, weights: str = "uniform") -> Topology:
     """Cycle: each rank talks to ``i - 1`` and ``i + 1`` (one neighbour for n = 2)."""
     n, rule = _check_size(n), _check_rule(weights)
     return _weighted(_circulant(n, (1, -1)), rule, _label("ring", n, weights=rule))
+
+
+@functools.lru_cache(maxsize=64)
+def ring_degree(n: int) -> int:
+    """Out-degree of :func:`ring` on ``n`` ranks (0 for one rank)."""
+    return len(ring(n).out_neighbors(0)) if n > 1 else 0
 
 
 def _torus_rows(n: int, rows) -> int:
