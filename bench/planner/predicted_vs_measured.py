@@ -1,6 +1,6 @@
 """The planner's predicted step against the measured one, on real transports only, for every candidate.
 
-    python bench/planner/predicted_vs_measured.py [--cases 4:loopback,4:1gbit,...,8:10mbit] [--steps 12]
+    python bench/planner/predicted_vs_measured.py [--cases 4:loopback,4:1gbit,...,8:10mbit] [--steps 10]
         [--candidates all] [--fresh] [--out planner_vs_measured]
 
 A setting is a real transport: ``loopback`` (every rank in one loopback-only network namespace, MPICH's own
@@ -264,7 +264,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(f"{n}:{s}" for n in (4, 8) for s in SETTINGS),
                         help="comma list of RANKS:SETTING, run in this order; a setting is loopback or a bandwidth "
                              "(shaped by scripts/netshape.sh; root, ip, tc)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)  # what the published table ran
     parser.add_argument("--candidates", default="all", help="comma list of candidate keys, or all")
     parser.add_argument("--tolerance", type=float, default=NOISE_POINTS, help="accuracy points for the choice")
     parser.add_argument("--fresh", action="store_true", help="calibrate and run again what already finished")
