@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, every tier: ruff, serial tests, the MPI tests under 1, 2, 3 and 4 ranks, the CPU part of
-# scripts/gpu_check.sh (beside the 1-rank tier, which leaves a core idle) and, beside them all, rendered sbatch
+# scripts/gpu_check.sh (beside the 1-rank tier, which leaves a core idle), ranks killed mid-run under the
+# fault-tolerant stack (Open MPI 5 with ULFM in .venv-ft, set up here once) and, beside them all, rendered sbatch
 # templates on a real single-node SLURM (root only; installed from Debian if missing).
 #
 #   scripts/test.sh                         every tier (what CI runs)
 #   scripts/test.sh mpi-3 slurm             only the tiers named: lint serial mpi-1 mpi-2 mpi-3 mpi-4
-#                                           gpu-check-cpu slurm
+#                                           gpu-check-cpu ft slurm
 #   scripts/test.sh quick                   the loop after an edit (~25 s on 2 idle cores): lint, the pure modules, one MPI
 #                                           file per family at 2 ranks
 #   scripts/test.sh serial -k resume        arguments after the tier names go to pytest
@@ -18,13 +19,14 @@
 # leaves the machine); elsewhere (a laptop, a cluster login node) they run normally.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL_TIERS=(lint serial mpi-1 mpi-2 mpi-3 mpi-4 gpu-check-cpu slurm)
+ALL_TIERS=(lint serial mpi-1 mpi-2 mpi-3 mpi-4 gpu-check-cpu ft slurm)
 all_args=("$@")
 selected=()
 while [ $# -gt 0 ] && [[ " ${ALL_TIERS[*]} quick " == *" $1 "* ]]; do selected+=("$1"); shift; done
 [ ${#selected[@]} -gt 0 ] || selected=("${ALL_TIERS[@]}")
 wanted() { [[ " ${selected[*]} " == *" $1 "* ]]; }
 [ -n "${MPICOMM_NETNS:-}" ] || scripts/setup_env.sh || exit 1   # once: not again inside the namespace
+if [ -z "${MPICOMM_NETNS:-}" ] && wanted ft; then scripts/setup_env.sh --ft || exit 1; fi
 if [ -z "${MPICOMM_NETNS:-}" ] && { wanted slurm || wanted serial; }; then
   scripts/install_slurm.sh   # SLURM + h5ls from Debian, as root (needs the network)
 fi
@@ -97,7 +99,11 @@ fi
 # two pytest-xdist workers: the serial tests are mostly 2-rank app jobs and their start-up, which leave one of
 # two cores idle about a third of the time under one worker
 # Files named tests/test_*_mpi.py hold only mpi-marked tests (which the serial tier would skip): not collected.
-if wanted serial; then tier serial python -m pytest -q -n 2 --dist worksteal --ignore-glob='tests/test_*_mpi.py' "$@"; fi
+# Files named tests/test_*_ft.py launch their own jobs under the fault-tolerant stack: the ft tier's.
+if wanted serial; then
+  tier serial python -m pytest -q -n 2 --dist worksteal --ignore-glob='tests/test_*_mpi.py' \
+    --ignore-glob='tests/test_*_ft.py' "$@"
+fi
 # 4 ranks: every MPI test. 2 ranks: all but the files whose paths do not depend on the count beyond 1 vs
 # many (SAME_AT_ANY_COUNT: resume, devices, user optimizers), which run once, at 4 ranks, where a ring has two
 # distinct neighbours. 1 rank: neither those nor the examples (which run once, at 2 ranks). 3 ranks, an odd
@@ -147,6 +153,8 @@ for n in 1 2 3 4; do
   [ "$n" = 1 ] && [ -n "${gpu_done:-}" ] && join_beside gpu-check-cpu
 done
 if wanted gpu-check-cpu && [ -z "${gpu_done:-}" ]; then tier gpu-check-cpu "${gpu_check[@]}"; fi
+# a rank killed mid-run under Open MPI 5 with ULFM (scripts/ft_run.sh): each test launches its own 4-rank jobs
+if wanted ft; then tier ft python -m pytest -q tests/test_rank_loss_ft.py "$@"; fi
 join_beside
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED tiers: ${failed[*]}"

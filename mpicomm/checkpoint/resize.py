@@ -63,15 +63,16 @@ def _read_whole(tree):
     return tree
 
 
-def load_resized(states: list[dict], algo, step: int) -> dict:
+def load_resized(states: list[dict], algo, step: int, places: list[int] | None = None) -> dict:
     """Build this rank's state from the N saved ``states`` (each with ``algorithm``, ``buffers``, ``rng``; large
-    tensors may be lazy, read a slice at a time) and load the algorithm, the buffers and the generators; returns
+    tensors may be lazy, read a slice at a time) and load the algorithm, the buffers and the generators
+    (``places``: each state's rank in the world that saved it, when some of its states are missing); returns
     old rank r's state for the rest (r < N; rank 0's otherwise) without its ``algorithm`` and ``buffers``, on
     this run's device. Raises ``ValueError`` where the method cannot continue (not collective: the caller
     agrees)."""
     device = algo.flat.data.device
     rank, size = algo.comm.rank, algo.comm.size
-    new = map_location(algo.reshard_state([s["algorithm"] for s in states]), device)
+    new = map_location(algo.reshard_state([s["algorithm"] for s in states], places), device)
     buffers = _buffers([s["buffers"] for s in states], algo.model, rank, size)
     algo.load_state_dict(new)
     del new

@@ -67,6 +67,9 @@ class Resize:
     rank: int
     size: int
     name: str = "algorithm"
+    places: list[int] | None = None
+    """Each state's rank in the world that saved it, where some of that world's ranks are missing (the survivors
+    of a lost rank, :mod:`mpicomm.training.recovery`); None: the states are every rank's, in rank order."""
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -302,22 +305,27 @@ def onebit_worker_errors(values: list, built_value, resize: Resize, path: str) -
 def onebit_server_errors(values: list, built_value, resize: Resize, path: str) -> torch.Tensor:
     """The 1-bit average's server errors: old rank k served chunk k, so the saved chunks in rank order are the
     whole vector's server error; new rank r gets chunk r of it under the new ownership (chunks of M). Reads
-    only the saved chunks that overlap the new one."""
+    only the saved chunks that overlap the new one. A lost rank's chunk (``resize.places`` names the survivors'
+    old ranks; the chunks are of equal size) is gone: that share of the server error restarts at zero."""
     d = resize.built["params"].numel()
     sizes = [v.numel() for v in values]
-    if sum(sizes) < d:
+    if resize.places is None and sum(sizes) < d:
         raise ValueError(f"{resize.name}: its server errors cover {sum(sizes)} elements, the model {d} (a "
                          "two-level exchange keeps them per node shard)")
+    starts = _displacements(sizes) if resize.places is None else [place * sizes[0] for place in resize.places]
     chunk = built_value.numel()
     out = torch.zeros(chunk, dtype=built_value.dtype, device=built_value.device)
     lo, hi = resize.rank * chunk, min((resize.rank + 1) * chunk, d)
-    start = 0
-    for value, size in zip(values, sizes):
+    for value, size, start in zip(values, sizes, starts):
         a, b = max(lo, start), min(hi, start + size)
         if a < b:
             out[a - lo:b - lo] = _rows(value, slice(a - start, b - start)).to(out.dtype)
-        start += size
     return out
+
+
+def _displacements(sizes: list[int]) -> list[int]:
+    """Where each of ``sizes``' consecutive parts starts: ``[0, s0, s0 + s1, ...]``."""
+    return [int(v) for v in np.cumsum([0, *sizes[:-1]])]
 
 
 # ------------------------------------------------------------------------------------ the walk

@@ -121,12 +121,14 @@ def _commit(root: Path, tmp: Path, final: Path, meta: dict, size: int, step: int
 
 
 def save_checkpoint(root, comm, state: dict, *, step: int, meta: dict | None = None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, confirm=None) -> Path:
     """Collective: commit every rank's ``state`` as ``root/step-<step>``; returns that directory on every rank.
 
     ``meta`` (same on every rank; e.g. :func:`run_meta`) is stored in ``checkpoint.h5`` beside the
     world size, step, time and library versions. With ``keep_last``, older complete checkpoints beyond
-    the newest ``keep_last`` are removed after the commit (a failure there only warns).
+    the newest ``keep_last`` are removed after the commit (a failure there only warns). ``confirm``: called on
+    every rank once every rank has written, before the commit; it raises on every rank when one of them may
+    not have (a lost rank, :meth:`mpicomm.training.recovery.Recovery.confirm`), and nothing is committed.
     """
     comm = control(comm)
     rank, size = comm.rank, comm.size
@@ -161,6 +163,8 @@ def save_checkpoint(root, comm, state: dict, *, step: int, meta: dict | None = N
             shutil.rmtree(tmp, ignore_errors=True)
         comm.allgather_object(None, WHAT)  # no rank returns before the temporary directory is gone
         raise
+    if confirm is not None:
+        confirm()  # a lost rank: the staging directory stays uncommitted (the next save removes it)
 
     error = None
     if rank == 0:

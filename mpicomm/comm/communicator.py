@@ -29,6 +29,7 @@ from ..ledger import Ledger
 from ..net import CostModel, NetClock, NetLinks, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, query_cuda_aware
 from .collectives import Collectives
+from .faults import track
 from .guard import process_guard
 from .handle import Handle, displacements
 from .nodes import NodeLayout, ranks_per_node_setting, shared_memory_spans_nodes
@@ -102,6 +103,7 @@ class Communicator(Collectives):
             sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
             if topo not in by_topology:
                 by_topology[topo] = self.comm.Create_dist_graph_adjacent(list(sources), list(dests), reorder=False)
+                track(by_topology[topo])
             self._graphs.append((topo, by_topology[topo]))
             self._neighbors.append((sources, dests))
             self._booked_neighbors.append((tuple(map(self._peer, sources)), tuple(map(self._peer, dests))))

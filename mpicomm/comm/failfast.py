@@ -26,6 +26,7 @@ import traceback
 from mpi4py import MPI
 
 from ..errors import mark_agreed
+from .faults import is_rank_loss
 from .world import raw_comm
 
 __all__ = ["ABORT_GRACE_S", "SETTLE_S", "abort_on_exception", "abort_with_line", "prepare_local_errors",
@@ -66,9 +67,13 @@ def abort_on_exception(comm=None, exit_code: int = 1):
             raise
         sys.stderr.write(f"[rank {comm.Get_rank()}] exiting with {exc.code}; aborting the job\n")
         _abort(comm, exc.code if isinstance(exc.code, int) else exit_code)
-    except BaseException:
+    except BaseException as exc:
         if comm.Get_size() == 1:
             raise
+        if is_rank_loss(exc):  # under the fault-tolerant stack, without --on-rank-loss continue
+            sys.stderr.write(f"[rank {comm.Get_rank()}] a rank of the job was lost; ending the job "
+                             "(--on-rank-loss continue keeps training on the survivors)\n")
+            _abort(comm, exit_code)
         sys.stderr.write(f"[rank {comm.Get_rank()}] uncaught exception; aborting the job\n")
         traceback.print_exc()
         _abort(comm, exit_code)

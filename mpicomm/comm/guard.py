@@ -111,6 +111,8 @@ class WaitGuard:
             yield
         finally:
             self._wait = None
+        if self.after_wait is not None:
+            self.after_wait()
 
     @contextlib.contextmanager
     def doing(self, activity: str):
@@ -120,6 +122,10 @@ class WaitGuard:
             yield
         finally:
             self.activity = previous
+
+    after_wait = None
+    """Called after every completed wait, when set: :class:`~mpicomm.comm.faults.Membership` sets it to raise a lost
+    rank that MPI knows of, so that data a collective completed without it is never used."""
 
     def signal_handled(self) -> None:
         """Every rank has agreed to stop on the signal: the waits that follow (the checkpoint) are the loop's."""

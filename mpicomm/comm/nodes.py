@@ -26,6 +26,8 @@ import os
 
 from mpi4py import MPI
 
+from .faults import track
+
 __all__ = ["RANKS_PER_NODE_ENV", "NodeLayout", "ranks_per_node_setting", "shared_memory_spans_nodes"]
 
 RANKS_PER_NODE_ENV = "MPICOMM_RANKS_PER_NODE"
@@ -85,6 +87,7 @@ class NodeLayout:
             node = raw.Split(rank // ranks_per_node, key=rank)
         else:
             node = raw.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        track(node)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.members, size_of = _node_sizes(parent, node)
         firsts = sorted(size_of)
@@ -102,6 +105,7 @@ class NodeLayout:
             self.node = self.cross = None
             return
         cross = raw.Split(self.local_rank, key=self.node_index)
+        track(cross)
         with parent.guard.waiting("the node layout"):
             cross_members = tuple(cross.allgather(rank))
         self.node = parent._child(node, "intra", self.members)

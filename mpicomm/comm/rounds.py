@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .faults import track
+
 __all__ = ["CountRounds"]
 
 
@@ -25,6 +27,7 @@ class CountRounds:
     def __init__(self, comm, width: int):
         self.size, self.guard = comm.size, comm.guard
         self._comm = comm.comm.Dup()
+        track(self._comm)
         self.sent = np.zeros(width, dtype=np.int64)
         self.received = np.zeros((comm.size, width), dtype=np.int64)
         self._request = None

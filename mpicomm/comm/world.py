@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from .guard import WaitGuard, process_guard
 
-__all__ = ["World", "abort_world", "as_world", "raw_comm", "world"]
+__all__ = ["World", "abort_world", "as_world", "raw_comm", "replace_world", "world"]
 
 
 def abort_world(code: int) -> None:
@@ -82,6 +82,13 @@ def world() -> World:
     if _WORLD is None:
         _WORLD = World()
     return _WORLD
+
+
+def replace_world(new: World) -> World:
+    """Make ``new`` the process's :func:`world` (the survivors of a lost rank, :mod:`mpicomm.comm.faults`)."""
+    global _WORLD
+    _WORLD = new
+    return new
 
 
 def as_world(comm):

@@ -35,7 +35,7 @@ import sys
 
 from ..comm import abort_on_exception, world
 from ..errors import TrainingStopped, agreed_of
-from .arguments import OptionRefused, derived_options, parse_app_args, run_settings, setup_run
+from .arguments import OptionRefused, derived_options, parse_app_args, recovery_for, run_settings, setup_run
 from .console import Console
 from .loop import run_training
 from .reporting import drifted
@@ -104,14 +104,16 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
         try:
             app = AppSettings({**run_settings(args), **(settings(args) if settings else {})},
                               cfg.total_steps(task.steps_per_epoch), cfg.lr_schedule, derived_options(args))
+            recovery = recovery_for(args, cfg, job, build_task, console)
             with comparing_app_settings(app):
                 return _train(name, console, task, algo, cfg, argv, headline,
-                              {"settings": app.flags, "auto": getattr(args, "auto_choice", None)})
+                              {"settings": app.flags, "auto": getattr(args, "auto_choice", None)}, recovery)
         finally:
             lock.release()
 
 
-def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], recorded: dict) -> int:
+def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], recorded: dict,
+           recovery=None) -> int:
     """Train, print the final line, and return the exit status (see the module docstring).
 
     The final line's score is the last evaluation's. A run stopped after it (a signal, ``--stop-at-step``)
@@ -126,7 +128,7 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
     console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
                  f"{graph}{algo.flat.numel:,} parameters")
     try:
-        summary = run_training(task, algo, cfg, console=console, run_info={
+        summary = run_training(task, algo, cfg, console=console, recovery=recovery, run_info={
             "app": name, "argv": sys.argv[1:] if argv is None else list(argv),
             **{k: v for k, v in recorded.items() if v is not None}})
     except Exception as exc:

@@ -32,6 +32,7 @@ from .options import add_algorithm_options, config_kwargs, foreign_option, settl
 from .pace import ASYNC_ONLY
 from .param_groups import app_optimizer
 from .precision import PRECISIONS
+from .recovery import ON_RANK_LOSS, Recovery, check_on_rank_loss
 from .rundir import RunLock, claim_out_dir
 from .tensorboard import require_tensorboard
 
@@ -101,6 +102,11 @@ def app_parser(description: str, default_algorithm: str, epochs: int) -> argpars
     p.add_argument("--lr-scaling", default="none", choices=LR_SCALINGS,
                    help="on a resume at another world size: none keeps the learning rate; linear multiplies it by "
                         "ranks now / ranks the run began with (the global batch changed by that factor)")
+    p.add_argument("--on-rank-loss", default="stop", choices=ON_RANK_LOSS,
+                   help="stop: a lost rank ends the job (resume from the last checkpoint); continue: the survivors "
+                        "go on from the last step (needs the fault-tolerant stack: scripts/ft_run.sh)")
+    p.add_argument("--min-ranks", type=int, default=1, metavar="N",
+                   help="with --on-rank-loss continue: end the job when fewer than N ranks are left")
     p.add_argument("--stop-at-step", type=int, default=0,
                    help="behave as if SIGUSR1 arrived after this step: checkpoint and stop (0: never)")
     p.add_argument("--device", default="auto", help="auto (cuda:{local rank %% GPUs} if CUDA is available, "
@@ -197,6 +203,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         stop_at_step=args.stop_at_step, precision=args.precision, tensorboard=args.tensorboard,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, hang_timeout=args.hang_timeout,
         slow_ranks=args.slow_ranks, free_running=args.free_running, lr_scaling=args.lr_scaling,
+        on_rank_loss=args.on_rank_loss, min_ranks=args.min_ranks,
     )
 
 
@@ -218,6 +225,7 @@ def accept_args(args: argparse.Namespace, size: int, check=None) -> tuple:
         check(args)
     if cfg.tensorboard:
         require_tensorboard()  # on every rank, so that a missing package is one agreed refusal
+    check_on_rank_loss(cfg.on_rank_loss, cfg.min_ranks, size)
     topo = topology.build(args.topology, size)
     net = parse_net(args.net)
     if cfg.precision == "fp16" and getattr(args, "overlap", False):
@@ -251,6 +259,27 @@ def setup_run(args: argparse.Namespace, world, build, console=None, check=None):
     except BaseException:
         lock.release()
         raise
+
+
+def recovery_for(args: argparse.Namespace, cfg: TrainConfig, world, build_task, console=None) -> Recovery | None:
+    """Collective: the :class:`~.recovery.Recovery` of a run with ``--on-rank-loss continue`` (None otherwise).
+
+    After a lost rank it rebuilds the run on the survivors exactly as :func:`setup_run` built it: the topology and
+    communicator at their size, ``build_task(args, rank, size)`` (this rank's data shard of the survivors'), the
+    algorithm (``--algorithm auto``: the one chosen at the start, which set ``args.algorithm``)."""
+    if cfg.on_rank_loss != "continue":
+        return None
+
+    def rebuild(survivors):
+        again = argparse.Namespace(**vars(args))
+        device = place(again.device, survivors)
+        new_cfg, topo, net = accept_args(again, survivors.size)
+        comm = Communicator(survivors, topo, net=net)
+        task, algo, _ = _build(again, comm, new_cfg, device,
+                               lambda: build_task(again, survivors.rank, survivors.size), console)
+        return task, algo
+
+    return Recovery(world, rebuild, cfg.min_ranks)
 
 
 def _build(args, comm, cfg, device, build, console):

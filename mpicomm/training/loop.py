@@ -61,6 +61,7 @@ from .console import Console
 from .device import to_device
 from .health import agree, local_problem
 from .pace import SharedSteps
+from .recovery import Recovery
 from .reporting import account, log_window
 from .run import Run
 
@@ -68,7 +69,7 @@ __all__ = ["LR_SCALINGS", "Task", "TrainConfig", "agree_steps_per_epoch", "run_t
 
 
 def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None,
-                 console: Console | None = None) -> dict:
+                 console: Console | None = None, recovery: Recovery | None = None) -> dict:
     """Train ``task`` with ``algo`` as ``cfg`` says; return the final summary (same on every rank).
 
     Exit status for the caller: ``summary["stopped_by_signal"]`` is the signal number when the run was
@@ -78,19 +79,42 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     """
     console = console or Console("train", algo.comm.rank)
     agree_steps_per_epoch(task, algo.comm, console)
-    run = _Training(task, algo, cfg, console)
+    run = _Training(task, algo, cfg, console, recovery)
     try:
         run.begin(run_info or {})
-        return run.train()
+        while True:
+            try:
+                return run.train()
+            except Exception as exc:
+                if recovery is None or not recovery.handles(exc):
+                    raise
+            run.lost = True
+            run = _continued(run, recovery, cfg, console)
     except BaseException as exc:
         mark = agreed_of(exc)
         if mark is None:
             raise  # a rank's own crash: the caller aborts the job (no collective clean-up could finish)
         run.metrics.write({"event": "error", "step": run.step, "message": mark.describe()})
-        algo.close()
+        if not run.lost:  # after a lost rank, the old communicators are revoked: nothing left to close
+            run.algo.close()
         raise
     finally:
         run.close()
+
+
+def _continued(run: _Training, recovery: Recovery, cfg: TrainConfig, console: Console) -> _Training:
+    """Collective over the survivors of a lost rank: the run that continues ``run`` on them (:mod:`.recovery`); a
+    further loss while recovering starts the recovery again."""
+    while True:
+        try:
+            lost = recovery.recover()
+            continued = _Training(lost.task, lost.algo, cfg, console, recovery)
+            continued.continue_after_loss(lost, run)
+            return continued
+        except Exception as exc:
+            run.lost = True
+            if not recovery.handles(exc):
+                raise
 
 
 class _Training(Run):
@@ -113,6 +137,8 @@ class _Training(Run):
         if self.step == total:  # resumed from the end of the run: report where it ended
             self.console.info(f"the run had already finished at step {total}; nothing to train")
             last_eval = self._evaluate()
+        if self.recovery is not None:
+            self.recovery.commit(self, (epoch, start))  # where a lost rank before the first step continues from
         while self.step < total and not stopped_by:
             for index, batch in self._batches(epoch, start):
                 if not algo.pending_micro_batches:  # the first micro-batch of a step
@@ -149,6 +175,8 @@ class _Training(Run):
                 previous = self.step
                 if pace is None:
                     self.step += 1
+                    if self.recovery is not None:  # every rank has finished this step, or none keeps it
+                        self.recovery.commit(self, position)
                 else:  # free running: the run's step moves when a round completes (see .pace)
                     pace.took_step()
                     reached = pace.poll()

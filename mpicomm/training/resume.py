@@ -45,7 +45,7 @@ from ..checkpoint.tree import CheckpointError
 from ..errors import agreed_of, mark_agreed
 
 __all__ = ["LENGTH_FLAGS", "LENGTH_FREE_SCHEDULES", "AppSettings", "Resumed", "comparing_app_settings",
-           "resolve_resume", "restore_run"]
+           "resolve_resume", "restore_run", "restore_states"]
 
 LENGTH_FLAGS = ("--epochs", "--max-steps")
 """The flags that set a run's length: compared through the length itself (see :class:`AppSettings`)."""
@@ -154,7 +154,15 @@ def restore_run(path: Path, algo, expect: dict, meta: dict, precision, steps_per
                    counters=state.get("counters", {}), started_ranks=int(position.get("started_ranks", 0)))
 
 
-def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch: int) -> Resumed:
+def restore_states(states: list, places: list[int], algo, precision, steps_per_epoch: int) -> Resumed:
+    """Collective: continue the survivors' committed ``states`` (in memory, one per rank of this job, in its rank
+    order; ``places``: their ranks before the loss) after a lost rank, by the same rules as a checkpoint of
+    another size (:func:`_restore_resized`)."""
+    return _restore_resized(Path("(the survivors' memory)"), states, algo, precision, steps_per_epoch, places)
+
+
+def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch: int,
+                     places: list[int] | None = None) -> Resumed:
     """Collective: continue the N saved ``states`` at this job's size (docs/checkpoints.md, Another world size):
     the algorithm by its family's rule, the buffers and generators (:func:`~mpicomm.checkpoint.resize.
     load_resized`), the loss scale (agreed: rank 0's), the data position and this rank's counters."""
@@ -162,7 +170,7 @@ def _restore_resized(path: Path, states: list, algo, precision, steps_per_epoch:
     old, new = len(states), algo.comm.size
     error = None
     try:
-        load_resized(states, algo, int(position["step"]))
+        load_resized(states, algo, int(position["step"]), places)
     except ValueError as exc:
         error = exc
     problems = algo.comm.allgather_object(str(error) if error else "", "the agreement on the resized checkpoint")

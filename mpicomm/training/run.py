@@ -19,7 +19,7 @@ from .metrics import MetricsWriter
 from .pace import SharedSteps
 from .precision import Precision
 from .reporting import Progress, drifted, eval_line, evaluate
-from .resume import Resumed, resolve_resume, restore_run
+from .resume import Resumed, resolve_resume, restore_run, restore_states
 from .rundir import RunLock, claim_out_dir
 from .schedule import LRSchedule
 from .stop import StopFlag
@@ -31,8 +31,10 @@ __all__ = ["Run"]
 class Run:
     """One call of :func:`~.loop.run_training`: position, counters, metrics, progress bar, signal handlers."""
 
-    def __init__(self, task: Task, algo, cfg: TrainConfig, console: Console):
+    def __init__(self, task: Task, algo, cfg: TrainConfig, console: Console, recovery=None):
         self.task, self.algo, self.cfg, self.console = task, algo, cfg, console
+        self.recovery = recovery  # --on-rank-loss continue: the steps' commits and the survivors' rebuild
+        self.lost = False  # a lost rank interrupted this run: its communicators are revoked
         self.comm, self.guard = algo.comm, algo.comm.guard
         self.rank, self.size = self.comm.rank, self.comm.size
         self.previous_timeout = self.guard.timeout_s
@@ -41,8 +43,7 @@ class Run:
         self.total = cfg.total_steps(task.steps_per_epoch)
         algo.accumulate(cfg.accumulate)
         algo.clip_grad_norm_(cfg.clip_grad_norm or None)
-        self.schedule = LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones,
-                                   cfg.lr_gamma)
+        self.schedule = self._schedule()
         self.meta = run_meta(algo.comm, algo)
         self.device = algo.flat.data.device
         self.precision = Precision(cfg.precision, self.device, algo.comm)
@@ -61,6 +62,11 @@ class Run:
         self.signalled = False
         self.pace: SharedSteps | None = None
         self.t_run = time.perf_counter()
+
+    def _schedule(self) -> LRSchedule:
+        """The learning rate as a function of the step over this run's ``total`` steps."""
+        cfg = self.cfg
+        return LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones, cfg.lr_gamma)
 
     def begin(self, run_info: dict) -> None:
         """Collective: claim ``--out-dir``, resume if asked, open the metrics file, install the signal handlers."""
@@ -95,16 +101,8 @@ class Run:
             raise_together(self.comm, ValueError(
                 f"the checkpoint {resumed.path} is at step {resumed.step}, beyond this run's {self.total} steps: "
                 "raise --epochs or --max-steps to train on from it"))
-        self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
-        self.started_ranks = resumed.started_ranks or self.size
-        if cfg.lr_scaling == "linear":
-            self.lr_factor = self.size / self.started_ranks
+        self._continue_from(resumed)
         self._set_aside_later_checkpoints()
-        counters = resumed.counters
-        if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
-            self.train_s, self.wall_offset = float(counters["train_s"]), float(counters["wall_s"])
-            self.algo.comm.ledger.load_state_dict(counters["ledger"])
-            self.algo.comm.clock.load_totals(counters["clock"])
         self.last_saved, self.saved_step = str(resumed.path), resumed.step
         resized = f" (saved at {resumed.resized_from} ranks, continued at {self.size})" if resumed.resized_from else ""
         if self.lr_factor != 1.0:
@@ -115,6 +113,45 @@ class Run:
                         "learning rate (--lr-scaling linear scales the rate with the ranks)")
         self.console.info(f"resumed from {resumed.path} at step {self.step} of {self.total}{resized}")
         return resumed
+
+    def _continue_from(self, resumed: Resumed) -> None:
+        """Take the position, the run's first size (and ``--lr-scaling``'s factor) and the counters of ``resumed``."""
+        self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
+        if resumed.resized_from:  # the steps per epoch changed with the size: the run still ends with its epochs
+            self.total = self.cfg.total_after(self.step, self.epoch, self.start, self.task.steps_per_epoch)
+            self.schedule = self._schedule()
+        self.started_ranks = resumed.started_ranks or self.size
+        if self.cfg.lr_scaling == "linear":
+            self.lr_factor = self.size / self.started_ranks
+        counters = resumed.counters
+        if counters:  # checkpoints of mpicomm 0.1.0 have none: their counters start again at 0
+            self.train_s, self.wall_offset = float(counters["train_s"]), float(counters["wall_s"])
+            self.algo.comm.ledger.load_state_dict(counters["ledger"])
+            self.algo.comm.clock.load_totals(counters["clock"])
+
+    def continue_after_loss(self, lost, previous: Run) -> None:
+        """Collective over the survivors: continue ``previous`` (the run a lost rank interrupted) from its last
+        committed step at this size (:mod:`.recovery`); its lock, last checkpoint and evaluation carry over."""
+        resumed = restore_states(lost.states, lost.places, self.algo, self.precision, self.task.steps_per_epoch)
+        self._continue_from(resumed)
+        self.wall_offset = previous.wall()  # the time lost to the failure and the recovery counts
+        self.last_saved, self.saved_step, self.evaluated = previous.last_saved, previous.saved_step, previous.evaluated
+        self.lock, previous.lock = previous.lock, RunLock(None)
+        if self.cfg.out_dir and not lost.rank0_survived:  # rank 0's process held the lock and the metrics file
+            self.lock = claim_out_dir(self.comm, self.cfg.out_dir, resume="latest", overwrite=False)
+        previous.close()
+        path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
+        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=True)
+        seconds = time.perf_counter() - lost.started
+        self.metrics.write({"event": "rank_lost", "step": self.step, "lost": lost.lost, "old_size": lost.old_size,
+                            "new_size": self.size, "recover_s": seconds, "rule": self.algo.resize_family,
+                            "epoch": self.epoch, "batch": self.start, "wall_s": self.wall_offset})
+        self.console.warning(f"rank(s) {', '.join(map(str, lost.lost))} lost: continuing at step {self.step} on "
+                             f"{self.size} of {lost.old_size} ranks ({self.algo.resize_family} rule), recovered in "
+                             f"{seconds:.2f} s")
+        self.stop = StopFlag(install=self.cfg.handle_signals, guard=self.guard)
+        self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
+        self.t_run = time.perf_counter() - self.wall_offset
 
     def _set_aside_later_checkpoints(self) -> None:
         """Collective: a run resumed from an earlier checkpoint keeps its later ones as ``superseded-step-…``."""
@@ -150,15 +187,11 @@ class Run:
         """Seconds since the run began, earlier runs it resumed from included (not the time between them)."""
         return time.perf_counter() - self.t_run
 
-    def save(self, position: tuple[int, int], stopping: bool = False) -> None:
-        """Collective: commit a checkpoint of every rank at this step (a failure stops the run, agreed).
-
-        Rank 0 adds the model the last evaluation scored when it is this step's, or, for the checkpoint of a
-        stopped run (``stopping``), whatever its step: the model the final line's score belongs to."""
-        if not self.cfg.out_dir:
-            return
+    def state(self, position: tuple[int, int]) -> dict:
+        """This rank's whole state between steps, as a checkpoint holds it: the algorithm, generators, buffers, the
+        data ``position`` (epoch, batch) and the counters (the loss scale under mixed precision)."""
         algo = self.algo
-        assert not algo.exchange_in_flight, "checkpoints are written between steps, with no exchange in flight"
+        assert not algo.exchange_in_flight, "the state is taken between steps, with no exchange in flight"
         counters = {"wall_s": self.wall(), "train_s": self.train_s, "ledger": algo.comm.ledger.state_dict(),
                     "clock": algo.comm.clock.totals()}
         state = {"algorithm": algo.state_dict(), "rng": capture_rng_state(self.device),
@@ -168,12 +201,24 @@ class Run:
                  "counters": counters}
         if self.cfg.precision != "fp32":
             state["precision"] = self.precision.state_dict()
+        return state
+
+    def save(self, position: tuple[int, int], stopping: bool = False) -> None:
+        """Collective: commit a checkpoint of every rank at this step (a failure stops the run, agreed).
+
+        Rank 0 adds the model the last evaluation scored when it is this step's, or, for the checkpoint of a
+        stopped run (``stopping``), whatever its step: the model the final line's score belongs to."""
+        if not self.cfg.out_dir:
+            return
+        algo = self.algo
+        state = self.state(position)
         if self.rank == 0 and self.evaluated and (stopping or self.evaluated["step"] == self.step):
             state["evaluated"] = self.evaluated  # what the run scored: mpicomm export's default
         try:
             with self.guard.doing("saving a checkpoint"):
                 path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
-                                       keep_last=self.cfg.keep_last)
+                                       keep_last=self.cfg.keep_last,
+                                       confirm=self.recovery.confirm if self.recovery else None)
         except Exception as exc:
             mark = agreed_of(exc)
             if mark is None:
@@ -216,6 +261,8 @@ class Run:
         reason = drifted(result)
         if reason:
             record["drifted"] = True
+        if self.recovery is not None:
+            self.recovery.confirm()  # no rank was lost during it: the averages are every rank's
         self.metrics.write(record)
         self.console.info(eval_line(self.step, self.total, result))
         if reason:

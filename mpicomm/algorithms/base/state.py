@@ -108,9 +108,10 @@ class CheckpointState:
         when the algorithm is built: a misspelled rule would never apply)."""
         check_rule_paths(self.name, self._resize_rules(), self.state_dict())
 
-    def reshard_state(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+    def reshard_state(self, states: list[dict[str, Any]], places: list[int] | None = None) -> dict[str, Any]:
         """This rank's state at the current world size from ``states``, the ``state_dict()`` of every rank of a
         checkpoint saved at another world size (old rank order); load it with :meth:`load_state_dict`.
+        ``places``: each state's old rank when some old ranks' states are missing (the survivors of a lost rank).
 
         The rules per family are in :mod:`~mpicomm.checkpoint.resize_rules` and docs/checkpoints.md. Raises
         ``ValueError`` naming the method where it cannot continue (:meth:`resize_refusal`). Not collective.
@@ -124,7 +125,7 @@ class CheckpointState:
         built = self.state_dict()  # as built at this world size: the shapes and the own-rank values
         rules = self._resize_rules()
         check_rule_paths(self.name, rules, built)
-        resize = Resize(states, built, self.comm.rank, self.comm.size, self.name)
+        resize = Resize(states, built, self.comm.rank, self.comm.size, self.name, places)
         return reshard_tree(states, built, resize, rules)
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:

@@ -1,0 +1,134 @@
+"""``--on-rank-loss continue``: a lost rank costs the survivors the step it interrupted, not the job.
+
+Under the fault-tolerant stack (:mod:`mpicomm.comm.faults`: Open MPI 5 with ULFM, ``scripts/ft_run.sh``) the
+training loop ends every step with :meth:`Recovery.commit`, a uniform agreement of all ranks, and keeps a copy
+of the rank's state as it stands after it (the same tree a checkpoint holds, :meth:`~.run.Run.state`). When a
+rank dies, every survivor meets an MPI error — in the step's exchange, in an evaluation, in a checkpoint's
+save, or at the latest in the next commit — and :meth:`Recovery.recover`:
+
+1. revokes every communicator, so that nobody stays blocked, and joins the pending commit with a failed vote
+   (every survivor has then made as many agreements, and none has kept the interrupted step);
+2. shrinks the world to the survivors (``MPI_Comm_shrink``) and ends the run with one line if fewer than
+   ``min_ranks`` are left;
+3. gathers the survivors' committed states on every survivor and rebuilds the run at the new size (the
+   topology, the communicator, this rank's share of the data and the algorithm: ``rebuild(world)``);
+4. hands them to the new run, which loads them by the same family rules as a checkpoint resumed at another
+   size (:func:`~mpicomm.checkpoint.resize.load_resized`): the centralized methods' state is identical on the
+   survivors and carried, decentralized replicas re-form consensus, error-feedback residuals keep their
+   mean, the DiLoCo family keeps its outer state, each survivor keeps its own generators.
+
+The interrupted step is trained again; the data position continues where the committed step left it, as the
+same share of the epoch over the survivors' shards. Cost: one agreement and one copy of the rank's state per
+step (``bench/recovery``). Checkpoints go on at the new size; a save that a failure interrupted is never
+committed (the checkpoint protocol's staging directory), and the next save writes a complete one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..comm import faults
+from ..errors import TrainingStopped, mark_agreed
+
+__all__ = ["ON_RANK_LOSS", "LostRanks", "Recovery", "check_on_rank_loss"]
+
+ON_RANK_LOSS = ("stop", "continue")
+
+
+def check_on_rank_loss(on_rank_loss: str, min_ranks: int, size: int) -> None:
+    """Refuse (``ValueError``, one line) a policy this job cannot keep: ``continue`` needs the fault-tolerant stack."""
+    if on_rank_loss not in ON_RANK_LOSS:
+        raise ValueError(f"--on-rank-loss must be one of {', '.join(ON_RANK_LOSS)}, got {on_rank_loss!r}")
+    if not 1 <= min_ranks <= max(size, 1):
+        raise ValueError(f"--min-ranks must be between 1 and the job's {size} ranks, got {min_ranks}")
+    if on_rank_loss == "continue" and not faults.available():
+        raise ValueError("--on-rank-loss continue needs an MPI that survives a lost rank, and this job's does not "
+                         "(MPICH, or Open MPI launched without --with-ft ulfm): set up the fault-tolerant stack "
+                         "once with scripts/setup_env.sh --ft and launch with scripts/ft_run.sh -n N python ...")
+
+
+def _detached(tree):
+    """``tree`` with every tensor copied: what stays true whatever the next step does to the live ones."""
+    if torch.is_tensor(tree):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _detached(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_detached(v) for v in tree)
+    return tree
+
+
+@dataclass
+class LostRanks:
+    """What :meth:`Recovery.recover` hands to the run that continues on the survivors."""
+
+    lost: list[int]
+    """The ``MPI_COMM_WORLD`` ranks that are gone."""
+    old_size: int
+    states: list[dict]
+    """Every survivor's state after the last committed step, in the new rank order."""
+    places: list[int]
+    """Each survivor's rank before the loss."""
+    task: object
+    algo: object
+    rank0_survived: bool
+    """Whether the process that was rank 0 (which holds ``--out-dir``'s lock and writes the metrics) still is."""
+    started: float
+    """``time.perf_counter()`` when this rank began recovering."""
+
+
+class Recovery:
+    """Collective to build (on every rank of ``world``): commits steps and rebuilds the run after a lost rank.
+
+    ``rebuild(world)``: collective over the survivors' :class:`~mpicomm.comm.World`; returns ``(task, algo)`` built
+    at its size, this rank's data shard included. ``min_ranks``: below this many survivors the run ends.
+    """
+
+    def __init__(self, world, rebuild: Callable, min_ranks: int = 1):
+        self.membership = faults.Membership(world)
+        self.rebuild = rebuild
+        self.min_ranks = min_ranks
+        self.snapshot: dict | None = None
+        self._committing = False
+
+    def commit(self, run, position: tuple[int, int]) -> None:
+        """Collective: end this step on every rank (or raise the loss on every survivor) and keep its state."""
+        self._committing = True
+        self.membership.commit()
+        self._committing = False
+        self.snapshot = _detached(run.state(position))
+
+    def confirm(self) -> None:
+        """Collective: raise the loss on every survivor if any rank is gone, before something outlives the step (an
+        evaluation's record, a checkpoint's commit): data a collective completed without a dead rank is never kept."""
+        self._committing = True
+        self.membership.commit()
+        self._committing = False
+
+    def handles(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a lost rank this run can continue without (a step has been committed)."""
+        return self.snapshot is not None and faults.is_rank_loss(exc)
+
+    def recover(self) -> LostRanks:
+        """Collective over the survivors: shrink to them, gather their committed states, rebuild the run."""
+        started = time.perf_counter()
+        self.membership.revoke()
+        if not self._committing:
+            self.membership.vote_failed()
+        self._committing = False
+        before = list(self.membership.origin)
+        world, lost = self.membership.shrink()
+        if world.size < self.min_ranks:
+            message = (f"rank(s) {', '.join(map(str, lost))} lost at step {self.snapshot['position']['step']}: "
+                       f"{world.size} left, fewer than --min-ranks {self.min_ranks}; the last checkpoint resumes "
+                       "the run at any size (--resume latest)")
+            raise mark_agreed(TrainingStopped(message), message, range(world.size), world.size)
+        states = world.allgather_object(self.snapshot, "the survivors' committed states")
+        task, algo = self.rebuild(world)
+        places = [before.index(origin) for origin in self.membership.origin]
+        return LostRanks(lost, len(before), states, places, task, algo, self.membership.origin[0] == before[0],
+                         started)
