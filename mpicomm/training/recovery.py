@@ -25,6 +25,7 @@ committed (the checkpoint protocol's staging directory), and the next save write
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -59,6 +60,64 @@ def _detached(tree):
         return {k: _detached(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_detached(v) for v in tree)
+    return tree
+
+
+def _tensors(tree, path: tuple = ()):
+    """``(path, tensor)`` for every tensor leaf of ``tree`` (dicts, lists and tuples)."""
+    if torch.is_tensor(tree):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensors(value, (*path, key))
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _tensors(value, (*path, index))
+
+
+def _replaced(tree, swap, path: tuple = ()):
+    """``tree`` with each tensor leaf ``t`` at ``path`` replaced by ``swap(path, t)``."""
+    if torch.is_tensor(tree):
+        return swap(path, tree)
+    if isinstance(tree, dict):
+        return {key: _replaced(value, swap, (*path, key)) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_replaced(value, swap, (*path, index)) for index, value in enumerate(tree))
+    return tree
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """A digest of ``tensor``'s dtype, shape and bytes."""
+    data = tensor.detach().cpu().contiguous().reshape(-1)
+    raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    return hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode() + raw, digest_size=16).hexdigest()
+
+
+class _Same:
+    """Stands for a tensor that every survivor holds alike (each puts its own copy back in)."""
+
+
+def _gather_states(world, state: dict) -> list[dict]:
+    """Collective: every survivor's ``state``, in rank order. A tensor that every survivor holds alike (the
+    centralized methods' parameters and optimizer state, the DiLoCo family's outer state) is not sent: only a digest
+    of it is, and each survivor puts its own copy back; what differs (replicas, residuals, generators) is gathered."""
+    digests = dict((path, _digest(t)) for path, t in _tensors(state))
+    every = world.allgather_object(digests, "the digests of the survivors' states")
+    alike = {path for path, digest in digests.items() if all(d.get(path) == digest for d in every)}
+    mine = dict(_tensors(state))
+    sent = _replaced(state, lambda path, t: _Same() if path in alike else t)
+    gathered = world.allgather_object(sent, "the survivors' committed states")
+    return [_restored(other, mine) for other in gathered]
+
+
+def _restored(tree, mine: dict, path: tuple = ()):
+    """``tree`` with every :class:`_Same` put back as this rank's own tensor at its path."""
+    if isinstance(tree, _Same):
+        return mine[path]
+    if isinstance(tree, dict):
+        return {key: _restored(value, mine, (*path, key)) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_restored(value, mine, (*path, index)) for index, value in enumerate(tree))
     return tree
 
 
@@ -127,7 +186,7 @@ class Recovery:
                        f"{world.size} left, fewer than --min-ranks {self.min_ranks}; the last checkpoint resumes "
                        "the run at any size (--resume latest)")
             raise mark_agreed(TrainingStopped(message), message, range(world.size), world.size)
-        states = world.allgather_object(self.snapshot, "the survivors' committed states")
+        states = _gather_states(world, self.snapshot)
         task, algo = self.rebuild(world)
         places = [before.index(origin) for origin in self.membership.origin]
         return LostRanks(lost, len(before), states, places, task, algo, self.membership.origin[0] == before[0],
