@@ -1,5 +1,6 @@
 """Rendered templates on a real SLURM: a job completes; a signalled job checkpoints, requeues, resumes exactly;
-a requeued job resized while it waits continues its checkpoint at the new size.
+a requeued job resized while it waits continues its checkpoint at the new size; a job with ``ON_RANK_LOSS=continue``
+completes when one of its ranks is killed, and one without ends naming how to enable that.
 
 Runs only inside ``scripts/slurm_local.sh`` (which brings up munge + slurmctld + slurmd on loopback and
 exports ``SLURM_CONF``); ``scripts/test.sh`` does that as root. Elsewhere these tests skip with the reason.
@@ -8,6 +9,7 @@ exports ``SLURM_CONF``); ``scripts/test.sh`` does that as root. Elsewhere these 
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ pytestmark = [
 STEPS = 12
 
 
-def _job_text(out_dir: str, save_every: int, extra: str = "", tasks: int = 2) -> str:
+def _job_text(out_dir: str, save_every: int, extra: str = "", tasks: int = 2, params: dict | None = None) -> str:
     with open(os.path.join(repo_slurm_dir(), "generic.sbatch")) as f:
         generic = f.read()
     return render(generic, {
@@ -36,19 +38,22 @@ def _job_text(out_dir: str, save_every: int, extra: str = "", tasks: int = 2) ->
         "APP": "apps/train_resnet.py", "ALGORITHM": "moniqua", "EPOCHS": "1", "OUT_DIR": out_dir,
         "SAVE_EVERY": str(save_every),
         "EXTRA_ARGS": f"--max-steps {STEPS} --batch-size 8 --eval-limit 64 --log-every 1 --bits 2 {extra}".strip(),
+        **(params or {}),
     })
 
 
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
-def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "", tasks: int = 2) -> tuple[int, str]:
-    """Submit the job (``tasks`` ranks on the one node); with ``wait``, return once it has completed (polled
-    twice a second: ``sbatch --wait`` polls at 2, 10 and 42 s, so a 12-second job would hold the test for 42)."""
+def _submit(tmp_path, name: str, save_every: int, wait: bool, extra: str = "", tasks: int = 2,
+            params: dict | None = None) -> tuple[int, str]:
+    """Submit the job (``tasks`` ranks on the one node, template parameters ``params`` set); with ``wait``, return
+    once it has completed (polled twice a second: ``sbatch --wait`` polls at 2, 10 and 42 s, so a 12-second job
+    would hold the test for 42)."""
     out_dir = str(tmp_path / name)
     os.makedirs(out_dir)
     job = tmp_path / f"{name}.sbatch"
-    job.write_text(_job_text(out_dir, save_every, extra, tasks))
+    job.write_text(_job_text(out_dir, save_every, extra, tasks, params))
     proc = subprocess.run(["sbatch", "--parsable", str(job)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = int(proc.stdout.strip().split(";")[0])
@@ -245,3 +250,86 @@ def test_rendered_job_submitted_from_another_folder_completes(tmp_path):
     assert state == "COMPLETED", f"job {job_id} {state}: " + _diagnose(str(out_dir), job_id=job_id)
     end = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if r["event"] == "end"]
     assert end and end[-1]["step"] == 4, _diagnose(str(out_dir))
+
+
+def _rank_pids(out_dir: str) -> dict[int, int]:
+    """{rank: pid} of the job's rank processes: their command line names ``out_dir`` and their environment holds
+    the rank their launcher gave them (Open MPI's ``OMPI_COMM_WORLD_RANK``, MPICH's ``PMI_RANK``)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if out_dir.encode() not in argv or not any(arg.endswith(b"train_resnet.py") for arg in argv):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        rank = environ.get(b"OMPI_COMM_WORLD_RANK", environ.get(b"PMI_RANK"))
+        if rank is not None:
+            pids[int(rank)] = int(entry)
+    return pids
+
+
+def _kill_rank_mid_run(job_id: int, out_dir: str, rank: int) -> None:
+    """SIGKILL rank ``rank``'s process once the job has logged step 3."""
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if not _poll(lambda: os.path.exists(metrics) and any(r.get("event") == "train" and r["step"] >= 3
+                                                         for r in read_metrics(metrics)), 240):
+        pytest.fail(f"the job never reached step 3; queue:\n{_queue()}\n" + _diagnose(out_dir, job_id=job_id))
+    pids = _rank_pids(out_dir)
+    assert rank in pids, f"rank {rank}'s process not found among {pids}"
+    os.kill(pids[rank], signal.SIGKILL)
+
+
+HINT = "mpicomm: a rank of the job was lost (launcher exit"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv-ft", "bin", "mpirun")),
+                    reason="the fault-tolerant stack is not set up (scripts/setup_env.sh --ft)")
+def test_job_with_recovery_completes_when_a_task_is_killed(tmp_path):
+    """ON_RANK_LOSS=continue at 4 tasks, one rank SIGKILLed mid-run: the job ends COMPLETED (exit 0) at the
+    run's last step with one ``rank_lost`` record (4 -> 3), and no line about enabling recovery. Before it is
+    queued, ``mpicomm slurm check`` accepts it, and refuses with the launch's line the same job with an option
+    recovery cannot go with (so the check passes ``--on-rank-loss continue`` to the stack's own Python)."""
+    jobs = []
+    for name, extra in (("ok", ""), ("free", "--free-running")):
+        jobs.append(tmp_path / f"check-{name}.sbatch")
+        jobs[-1].write_text(_job_text(str(tmp_path / name), 100, extra, 4, {"ON_RANK_LOSS": "continue"}))
+    checked = subprocess.run([sys.executable, "-m", "mpicomm", "slurm", "check", *map(str, jobs)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 2 and checked.stdout.splitlines() == [
+        f"{jobs[0]}: OK: apps/train_resnet.py with moniqua on 4 rank(s) from {REPO}",
+        f"{jobs[1]}: options: --on-rank-loss continue cannot be combined with --free-running (recovery continues "
+        "from the last step every rank committed, and free-running ranks commit none)"], checked.stdout + checked.stderr
+    # a modelled 100 ms latency: about a second a step at 4 ranks, so the kill lands mid-run
+    job_id, out_dir = _submit(tmp_path, "recover", save_every=100, wait=False, extra="--net 1gbit,100ms",
+                              tasks=4, params={"ON_RANK_LOSS": "continue"})
+    _kill_rank_mid_run(job_id, out_dir, rank=1)
+    _wait_completed(job_id, out_dir)
+    assert _job_field(job_id, "ExitCode") == "0:0", _diagnose(out_dir, job_id=job_id)
+    records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    lost = [r for r in records if r.get("event") == "rank_lost"]
+    assert len(lost) == 1, _diagnose(out_dir, job_id=job_id)
+    assert (lost[0]["lost"], lost[0]["old_size"], lost[0]["new_size"]) == ([1], 4, 3), lost
+    assert [r["step"] for r in records if r.get("event") == "end"] == [STEPS]
+    assert HINT not in _job_log(out_dir)
+
+
+@pytest.mark.timeout(600)
+def test_job_without_recovery_ends_naming_how_to_enable_it(tmp_path):
+    """The default (ON_RANK_LOSS=stop, MPICH): a rank SIGKILLed mid-run ends the job FAILED before its last step,
+    and the job log has exactly one line saying how to keep training on the survivors."""
+    job_id, out_dir = _submit(tmp_path, "lost", save_every=100, wait=False, extra="--net 1gbit,500ms")
+    _kill_rank_mid_run(job_id, out_dir, rank=1)
+    if not _poll(lambda: _job_field(job_id, "JobState") in FINISHED, 240):
+        pytest.fail(f"job {job_id} did not finish in 240 s; queue:\n{_queue()}\n" + _diagnose(out_dir))
+    assert _job_field(job_id, "JobState") == "FAILED", _diagnose(out_dir, job_id=job_id)
+    hints = [line for line in _job_log(out_dir).splitlines() if line.startswith(HINT)]
+    assert len(hints) == 1 and "ON_RANK_LOSS=continue" in hints[0], _diagnose(out_dir, job_id=job_id)
+    records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    assert not [r for r in records if r.get("event") == "end"], "the job went on after its rank was lost"

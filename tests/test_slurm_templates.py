@@ -44,6 +44,7 @@ def test_rendered_template_is_valid_bash():
     ("TOPOLOGY", "moebius", "unknown topology"),
     ("EPOCHS", "-1", "non-negative integer"),
     ("MPI_PMI", "pmi9", "pmi2"),
+    ("ON_RANK_LOSS", "maybe", r"ON_RANK_LOSS=maybe: expected stop .* or continue"),
     ("EXTRA_ARGS", "a\nb", "newlines"),
 ])
 def test_bad_values_are_refused(key, value, message):
@@ -58,6 +59,19 @@ def test_slurm_time_formats_are_accepted(time):
 
 def test_launcher_is_a_parameter_like_the_others():
     assert parse_template(render(GENERIC, {"LAUNCHER": "srun"})).value("LAUNCHER") == "srun"
+
+
+def test_recovery_is_refused_with_srun():
+    """``ON_RANK_LOSS=continue`` starts the ranks with Open MPI's own launcher, so ``LAUNCHER=srun`` contradicts it."""
+    with pytest.raises(ValueError, match="ON_RANK_LOSS=continue.*leave LAUNCHER=auto"):
+        render(GENERIC, {"ON_RANK_LOSS": "continue", "LAUNCHER": "srun"})
+
+
+def test_recovery_sends_the_time_limit_warning_to_the_batch_shell():
+    """With ``ON_RANK_LOSS=continue`` the ranks are not in a Slurm step: USR1 must go to the job script, which
+    forwards it; the default keeps the header as it is."""
+    assert parse_template(render(GENERIC, {"ON_RANK_LOSS": "continue"})).value("signal") == "B:USR1@60"
+    assert parse_template(render(GENERIC, {})).value("signal") == "USR1@60"
 
 
 @pytest.mark.parametrize("value", ["$(touch {marker})", "`touch {marker}`", "${{X:-$(touch {marker})}}",

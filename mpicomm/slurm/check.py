@@ -6,7 +6,8 @@ It resolves the job's settings as the job's shell would from this shell (a param
 
 * the project: ``MPICOMM_HOME`` (exported, or written by ``mpicomm slurm render``), else the folder above the
   job file, else this folder, whichever holds ``APP`` (the job looks in the same places);
-* the virtual environment ``VENV`` (default ``$MPICOMM_HOME/.venv``) and the app;
+* the virtual environment ``VENV`` (default ``$MPICOMM_HOME/.venv``) and the app; with ``ON_RANK_LOSS=continue``
+  the fault-tolerant stack ``$MPICOMM_HOME/.venv-ft``, whose Python then answers the checks below;
 * that its Python runs, and that the launch would accept the app's options: the job's command line goes through
   the app's own ``build_parser()`` with the algorithm's options, then what the launch refuses before it builds
   anything, by the launch's own code (``accept_args``: the loop's config, the app module's ``check_args`` such
@@ -89,7 +90,8 @@ def _argv(settings: dict[str, str]) -> list[str]:
         argv += ["--dataset", "cifar10", "--data-dir", os.path.join(settings["MPICOMM_DATA_DIR"], "cifar10")]
     elif data:
         argv += ["--dataset", data]
-    return argv + settings.get("EXTRA_ARGS", "").split()
+    argv += settings.get("EXTRA_ARGS", "").split()
+    return argv + (["--on-rank-loss", "continue"] if settings.get("ON_RANK_LOSS") == "continue" else [])
 
 
 def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | None]:
@@ -113,16 +115,30 @@ def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | 
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(python):
         python = "python3"
+    ft = settings.get("ON_RANK_LOSS", "stop")
+    if ft not in ("stop", "continue"):
+        problems.append(f"ON_RANK_LOSS={ft}: expected stop or continue")
+    elif ft == "continue":  # the ranks run on the fault-tolerant stack: probe with its Python, recovery on
+        if not os.access(os.path.join(home, ".venv-ft", "bin", "mpirun"), os.X_OK):
+            problems.append(f"ON_RANK_LOSS=continue: the fault-tolerant stack {home}/.venv-ft is not set up "
+                            "(scripts/setup_env.sh --ft creates it)")
+            return problems, None
+        python = os.path.join(home, ".venv-ft", "bin", "python")
     spec = {"app": app, "argv": _argv(settings), "data": settings.get("DATA", ""),
             "fetcher": os.path.join(home, "apps", "fetch_data.py"), "ranks": job_ranks(text)}
-    return problems, {"python": python, "home": home, "settings": settings, "spec": spec}
+    return problems, {"python": python, "home": home, "settings": settings, "spec": spec, "ft": ft == "continue"}
 
 
-def _run_probe(python: str, home: str, data_dir: str, specs: list[dict], environ: dict | None) -> list:
-    """Each spec's probe answer (a dict), or one line saying why the job's Python could not answer (a str)."""
+def _run_probe(python: str, home: str, data_dir: str, specs: list[dict], environ: dict | None,
+               ft: bool = False) -> list:
+    """Each spec's probe answer (a dict), or one line saying why the job's Python could not answer (a str).
+    ``ft``: the job runs on the fault-tolerant stack, whose launcher turns recovery on (as ``mpirun --with-ft
+    ulfm`` does for every rank), so the launch accepts ``--on-rank-loss continue``."""
     probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
     run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     env = dict(os.environ if environ is None else environ, MPICOMM_DATA_DIR=data_dir)
+    if ft:
+        env["OMPI_MCA_mpi_ft_enable"] = "1"
     try:
         proc = subprocess.run([python, "-c", run, probe, json.dumps(specs)], cwd=home, env=env,
                               capture_output=True, text=True, timeout=300)
@@ -146,11 +162,11 @@ def check_jobs(job_paths: list[str], environ: dict | None = None) -> list[tuple[
     groups: dict[tuple, list[int]] = {}
     for i, (_, todo) in enumerate(early):
         if todo is not None:
-            key = (todo["python"], todo["home"], todo["settings"]["MPICOMM_DATA_DIR"])
+            key = (todo["python"], todo["home"], todo["settings"]["MPICOMM_DATA_DIR"], todo["ft"])
             groups.setdefault(key, []).append(i)
     answers: dict[int, dict | str] = {}
-    for (python, home, data_dir), members in groups.items():
-        found = _run_probe(python, home, data_dir, [early[i][1]["spec"] for i in members], environ)
+    for (python, home, data_dir, ft), members in groups.items():
+        found = _run_probe(python, home, data_dir, [early[i][1]["spec"] for i in members], environ, ft)
         answers.update(zip(members, found))
     out = []
     for i, (problems, todo) in enumerate(early):

@@ -10,8 +10,9 @@ A template has two kinds of settings, both overridable with ``--set KEY=VALUE``:
 
 Values are validated before anything reaches the scheduler (``ValueError`` naming the key and what is
 allowed): unknown keys, non-positive counts, malformed time limits, unknown algorithms, topologies or
-apps. A parameter's value is quoted, never evaluated: ``$(…)``, backticks, ``$VAR`` and quotes reach the
-job as the literal text given (use ``sbatch --export`` for values the job's shell should expand).
+apps, an ``ON_RANK_LOSS`` other than ``stop``/``continue`` (or ``continue`` with ``LAUNCHER=srun``). A
+parameter's value is quoted, never evaluated: ``$(…)``, backticks, ``$VAR`` and quotes reach the job as the
+literal text given (use ``sbatch --export`` for values the job's shell should expand).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def _validate(key: str, value: str) -> None:
                          "embedded default, or data paths in EXTRA_ARGS)")
     if key == "LAUNCHER" and value not in ("auto", "srun", "mpiexec"):
         raise ValueError(f"--set LAUNCHER={value}: expected auto, srun or mpiexec")
+    if key == "ON_RANK_LOSS" and value not in ("stop", "continue"):
+        raise ValueError(f"--set ON_RANK_LOSS={value}: expected stop (a lost rank ends the job) or continue (the "
+                         "survivors train on, under the fault-tolerant stack: scripts/setup_env.sh --ft)")
     if key == "MPI_PMI" and value not in ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta", "none"):
         raise ValueError(f"--set MPI_PMI={value}: expected pmi2, pmix(_vN), cray_shasta or none (srun --mpi)")
 
@@ -136,6 +140,8 @@ def render(text: str, sets: dict[str, str]) -> str:
             raise ValueError(f"--set {key}: unknown key; this template has {template.keys()}, and the "
                              f"scheduler options {sorted(SBATCH_OPTIONS)} can be added")
         _validate(key, value)
+    _validate_together(template, sets)
+    sets = _batch_signal(template, sets)
     lines = list(template.lines)
     commented = {m.group(1): i for i, line in enumerate(lines) if (m := _COMMENTED.match(line)) is not None}
     added = []
@@ -151,6 +157,28 @@ def render(text: str, sets: dict[str, str]) -> str:
     last_header = max(template.headers.values())
     lines[last_header + 1:last_header + 1] = added
     return "\n".join(lines) + "\n"
+
+
+def _validate_together(template: Template, sets: dict[str, str]) -> None:
+    """Refuse parameters that contradict each other once ``sets`` is applied to ``template``."""
+    def final(key: str) -> str | None:
+        return sets[key] if key in sets else template.value(key) if key in template.params else None
+
+    if final("ON_RANK_LOSS") == "continue" and final("LAUNCHER") == "srun":
+        raise ValueError("--set ON_RANK_LOSS=continue starts the ranks with Open MPI's own launcher "
+                         "(scripts/ft_run.sh; its start under srun is not fault tolerant): leave LAUNCHER=auto")
+
+
+def _batch_signal(template: Template, sets: dict[str, str]) -> dict[str, str]:
+    """``sets``, with the header's ``--signal=SIG@T`` sent to the batch shell (``B:SIG@T``) when the job runs with
+    ``ON_RANK_LOSS=continue``: its ranks are then started by Open MPI's launcher in the batch step, which Slurm's
+    plain ``--signal`` skips, and the job script forwards the signal to them."""
+    if sets.get("ON_RANK_LOSS") != "continue" or "signal" in sets or "signal" not in template.headers:
+        return sets
+    value = template.value("signal") or ""
+    if value.split("@")[0] not in ("USR1", "SIGUSR1", "10"):  # already B:/R:, or a signal the script keeps
+        return sets
+    return {**sets, "signal": f"B:{value}"}
 
 
 def _validate_app(value: str) -> None:
