@@ -18,4 +18,11 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Open MPI's treematch topology module is untested after a failure (it warns at every start): the basic one
 export OMPI_MCA_topo=${OMPI_MCA_topo:-basic}
+# Replacement ranks (--on-rank-loss replace) are reached over TCP (Open MPI does not give a spawned process
+# shared memory with the others): name the transports, and where loopback is the only interface (a test's
+# network namespace) let TCP use it
+export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm,tcp}
+if [ -z "${OMPI_MCA_btl_tcp_if_include:-}" ] && ! ip -o link show up 2>/dev/null | grep -qv ' lo:'; then
+  export OMPI_MCA_btl_tcp_if_include=lo
+fi
 exec mpirun --with-ft ulfm "$@"

@@ -14,6 +14,8 @@ What they hold the recovery to:
   so the in-memory recovery is checked against the checkpoint path, itself checked against references;
 * a rank killed while a checkpoint is written (rank 0, which commits it) leaves only complete checkpoints, each
   read back with h5py, and the run's next checkpoint is written by the survivors;
+* with ``--on-rank-loss replace`` a process started by the survivors takes the killed rank's place, with the
+  survivors' committed state (no checkpoint exists to read) and a model equal to theirs, and the run ends at 4;
 * with recovery off (``--on-rank-loss stop``) the same kill ends the job with a non-zero exit and one line
   saying how to continue instead: these tests fail if recovery is disabled.
 """
@@ -228,3 +230,38 @@ def test_without_recovery_the_loss_ends_the_job_in_one_line(tmp_path):
     assert code != 0
     assert "--on-rank-loss continue" in text, text[-2000:]
     assert not any(e.get("event") == "rank_lost" for e in events)
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce_sgd", "dpsgd"])
+def test_a_replacement_joins_and_the_run_continues_at_four_ranks(tmp_path, algorithm):
+    """--on-rank-loss replace: the survivors start a process in the killed rank's place; it receives their committed
+    state from them (no checkpoint is read: there is none) and the run ends at 4 ranks, the joined rank's model equal
+    to the donors' (their digests, compared by the run itself) and the end's averaged model over 4 ranks."""
+    out = tmp_path / algorithm
+    draw = random.Random(f"{algorithm}-replace")
+    rank, step = draw.randrange(4), draw.randrange(3, 8)
+    code, text, events = _kill_at_step(out, algorithm, rank, step, "--max-steps", "20", on_loss="replace")
+    assert code == 0, text[-2000:]
+    lost = _lost(events, rank)
+    joined = [e for e in events if e.get("event") == "rank_joined"]
+    assert len(joined) == 1 and joined[0]["joined"] == [3] and joined[0]["size"] == 4, joined
+    assert joined[0]["step"] == lost["step"]
+    assert joined[0]["model_equals_donors"] and joined[0]["donors_agree"], joined
+    end = _ended(events)
+    assert [p.name for p in out.glob("step-*")] == [f"step-{end['step']:09d}"], \
+        "only the end was saved: the replacement's state came from the survivors"
+
+
+def test_a_stalled_rank_leaves_and_the_others_continue(tmp_path):
+    """Rank 3 stalls (--slow-ranks 3:1000 makes its step sleep 999 times its compute): its hang guard ends it once it
+    has spent --hang-timeout inside a step without reaching MPI, before the others' waits (twice that) end the job,
+    and the survivors continue without it."""
+    out = tmp_path / "stalled"
+    # 30 s: the first step of a rank on a loaded 2-core machine took over 8 s outside MPI (imports, warm-up)
+    proc, log = _launch(out, "dpsgd", "--max-steps", "12", "--slow-ranks", "3:1000", "--hang-timeout", "30")
+    code, text = _finish(proc, log)
+    assert code == 0, text[-2000:]
+    assert "rank 3: spent" in text and "without reaching MPI" in text, text[-2000:]
+    events = _events(out)
+    _lost(events, 3)
+    _ended(events)

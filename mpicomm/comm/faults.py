@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import sys
+import threading
 import time
 
 from mpi4py import MPI
@@ -31,7 +34,8 @@ from mpi4py import MPI
 from .guard import process_guard
 from .world import World, abort_world, raw_comm, replace_world, world
 
-__all__ = ["DETECTION_S", "ENABLE_HINT", "Membership", "RankLost", "available", "is_rank_loss", "track"]
+__all__ = ["DETECTION_S", "ENABLE_HINT", "Membership", "RankLost", "available", "is_rank_loss", "join", "leave",
+           "track"]
 
 ENABLE_HINT = ("to keep training on the survivors instead, set up the fault-tolerant stack once (scripts/setup_env.sh "
                "--ft) and launch with scripts/ft_run.sh -n N python ... --on-rank-loss continue")
@@ -40,6 +44,9 @@ ENABLE_HINT = ("to keep training on the survivors instead, set up the fault-tole
 DETECTION_S = 5.0
 """Seconds an error waits for MPI to name a failed rank before it counts as an error of its own (Open MPI's
 detector told the ranks of one node within milliseconds)."""
+
+LEAVE_S = 5.0
+"""Seconds a rank of a job that grew gives ``MPI_Finalize`` before it exits without it (:func:`leave`)."""
 
 _LOSS_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                       if hasattr(MPI, name))
@@ -106,12 +113,19 @@ class Membership:
     """
 
     def __init__(self, world: World):
-        self.world = world
-        self._agreement = raw_comm(world).Dup()  # only agreements and the shrink run on it: never revoked
+        self.grown = False  # this process took part in spawning replacements (see :func:`leave`)
+        self._adopt(world)
+
+    def _adopt(self, world: World) -> None:
+        """Collective over ``world``: make it the process's world, with an agreement communicator of its own."""
+        _TRACKED.clear()
+        self.world = replace_world(world)
+        self._agreement = raw_comm(world).Dup()  # only agreements, the shrink and the spawn run on it: never revoked
         self._agreement.Set_errhandler(MPI.ERRORS_RETURN)
-        self.origin: list[int] = world.comm.allgather(MPI.COMM_WORLD.Get_rank())
-        """``origin[r]``: the ``MPI_COMM_WORLD`` rank of the process that is rank ``r`` now."""
-        process_guard(abort_world).after_wait = self.check
+        self.origin: list[str] = self._agreement.allgather(f"{socket.gethostname()}:{os.getpid()}")
+        """``origin[r]``: the process that is rank ``r`` now (host and pid)."""
+        guard = process_guard(abort_world)
+        guard.after_wait, guard.leave_when_stalled = self.check, True
 
     def check(self) -> None:
         """Raise :class:`RankLost` if MPI knows of a rank of the current world that failed (local, no message).
@@ -149,13 +163,54 @@ class Membership:
 
     def shrink(self) -> tuple[World, list[int]]:
         """Collective over the survivors: the world of the ranks still alive (which becomes the process's world,
-        :func:`~mpicomm.comm.world`) and the ``MPI_COMM_WORLD`` ranks of those that are gone."""
+        :func:`~mpicomm.comm.world`) and the ranks, in the world before, of those that are gone."""
         survivors = self._agreement.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
-        previous = set(self.origin)
-        _TRACKED.clear()
-        self.world = replace_world(World(survivors))
-        self._agreement = survivors.Dup()
-        self._agreement.Set_errhandler(MPI.ERRORS_RETURN)
-        self.origin = survivors.allgather(MPI.COMM_WORLD.Get_rank())
-        return self.world, sorted(previous - set(self.origin))
+        before = self.origin
+        self._adopt(World(survivors))
+        return self.world, [rank for rank, process in enumerate(before) if process not in self.origin]
+
+    def grow(self, count: int, command: list[str]) -> World:
+        """Collective over the survivors: start ``count`` replacement processes running ``command`` (``MPI_Comm_spawn``;
+        each calls :func:`join`) and make the world of survivors and replacements, the replacements last."""
+        spawned = self._agreement.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
+        merged = spawned.Merge(high=False)
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        self.grown = True
+        self._adopt(World(merged))
+        return self.world
+
+
+def join() -> Membership | None:
+    """In a process that survivors started to replace a lost rank (:meth:`Membership.grow`): join their world and
+    return its Membership (collective with their ``grow``); None in a process the launcher started."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    membership = Membership(World(merged))
+    membership.grown = True
+    return membership
+
+
+def leave(membership: Membership | None, code: int) -> None:
+    """End the process with ``code`` after a job that grew (:meth:`Membership.grow`); return at once otherwise.
+
+    Open MPI 5.0's ``MPI_Finalize`` (collective over every process a job connected to) hung in about 1 of 5 jobs
+    where survivors had spawned and merged a replacement, and ``MPI_Comm_disconnect`` before it always did: every
+    rank meets in a barrier and finalizes at once, and a rank whose finalize has not returned :data:`LEAVE_S`
+    later exits without it."""
+    if membership is None or not membership.grown:
+        return
+    try:
+        raw_comm(membership.world).Barrier()
+    except MPI.Exception:
+        pass  # a rank lost at the very end: nothing left to wait for
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog = threading.Timer(LEAVE_S, os._exit, (code,))
+    watchdog.daemon = True
+    watchdog.start()
+    MPI.Finalize()
+    watchdog.cancel()

@@ -7,7 +7,9 @@ looks at that record twice a second and ends the rank in two cases:
 
 * the wait has lasted ``timeout_s`` (``--hang-timeout``, default 600 s; ``MPICOMM_HANG_TIMEOUT`` for
   library use; 0: never): some rank is not taking part. One line names the collective, what the run was
-  doing and the step; then ``MPI_Abort`` ends every rank with :data:`EXIT_HUNG`.
+  doing and the step; then ``MPI_Abort`` ends every rank with :data:`EXIT_HUNG`. Under ``--on-rank-loss
+  continue``/``replace`` the wait may last twice that, and a rank that spent ``timeout_s`` inside a step without
+  reaching MPI (the stalled one) leaves the job with :data:`EXIT_HUNG` instead: the others recover without it.
 * a stop signal (SIGTERM, SIGUSR1) arrived and the rank is still blocked in a wait the grace period
   after it — 10 s (``MPICOMM_SIGNAL_GRACE``) or twice the longest step so far, whichever is longer,
   so that slower peers can still reach the agreement: the ranks cannot agree to stop and checkpoint,
@@ -79,6 +81,11 @@ class WaitGuard:
         self.longest_step_s = 0.0
         self.activity = ""
         self._wait: tuple[str, float] | None = None
+        self._waited = 0.0  # when the last wait ended
+        self.leave_when_stalled = False
+        """Set under ``--on-rank-loss continue``/``replace`` (:class:`~mpicomm.comm.faults.Membership`): a rank
+        that spends the hang timeout inside a step without reaching MPI leaves the job, and the others, which
+        would end the job after twice that, continue without it."""
         self._signal: tuple[int, float] | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -111,6 +118,7 @@ class WaitGuard:
             yield
         finally:
             self._wait = None
+            self._waited = time.monotonic()
         if self.after_wait is not None:
             self.after_wait()
 
@@ -177,6 +185,7 @@ class WaitGuard:
     def _check(self, now: float) -> None:
         wait, sig = self._wait, self._signal
         if wait is None:
+            self._check_stalled(now)
             return
         what, since = wait
         grace = max(self.signal_grace_s, 2 * self.longest_step_s)
@@ -186,12 +195,22 @@ class WaitGuard:
                       f"point where the ranks agree to stop, so it ends now without a checkpoint "
                       f"(exit {128 + sig[0]})")
             os._exit(128 + sig[0])
-        if self.timeout_s and now - since >= self.timeout_s:
+        if self.timeout_s and now - since >= self.timeout_s * (2 if self.leave_when_stalled else 1):
             self._say(f"waited {now - since:.0f} s in {self._where(what)}: another rank is not taking part "
                       f"(it ended, crashed or waits elsewhere); aborting the job (exit {EXIT_HUNG}). "
                       f"If a step really takes this long, raise --hang-timeout (MPICOMM_HANG_TIMEOUT)")
             time.sleep(_FORWARD_S)
             self._abort(EXIT_HUNG)
+            os._exit(EXIT_HUNG)
+
+    def _check_stalled(self, now: float) -> None:
+        """Under recovery, leave the job when this rank has been inside a step, outside MPI, for the hang timeout."""
+        if not (self.leave_when_stalled and self.timeout_s and self._step is not None):
+            return
+        outside = now - max(self._step_began, self._waited)
+        if outside >= self.timeout_s:
+            self._say(f"spent {outside:.0f} s in {self._where('a step')} without reaching MPI: this rank leaves the "
+                      f"job so that the others continue without it (exit {EXIT_HUNG})")
             os._exit(EXIT_HUNG)
 
     def _say(self, text: str) -> None:

@@ -68,6 +68,14 @@ class World:
         with guard.waiting(what):
             return self.comm.allgather(obj)
 
+    def bcast_object(self, obj, root: int = 0, what: str = "bcast"):
+        """Collective: ``root``'s ``obj`` on every rank (pickled; for control messages), under the hang guard."""
+        guard = _guard()
+        if guard is None:
+            return self.comm.bcast(obj, root=root)
+        with guard.waiting(what):
+            return self.comm.bcast(obj, root=root)
+
     def abort(self, code: int) -> None:
         """End every process of this World with exit status ``code`` (``MPI_Abort``)."""
         self.comm.Abort(code)

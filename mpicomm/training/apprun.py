@@ -34,10 +34,21 @@ import os
 import sys
 
 from ..comm import abort_on_exception, world
+from ..comm.faults import join, leave
 from ..errors import TrainingStopped, agreed_of
-from .arguments import OptionRefused, derived_options, parse_app_args, recovery_for, run_settings, setup_run
+from .arguments import (
+    OptionRefused,
+    derived_options,
+    parse_app_args,
+    rebuilder,
+    recovery_for,
+    run_settings,
+    setup_run,
+    train_config,
+)
 from .console import Console
 from .loop import run_training
+from .recovery import Recovery
 from .reporting import drifted
 from .resume import AppSettings, comparing_app_settings
 
@@ -89,6 +100,10 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
         console.error(str(exc))
         return EXIT_REFUSED
     console.route_warnings()
+    replace = [sys.executable, os.path.abspath(sys.argv[0]), *(sys.argv[1:] if argv is None else argv)]
+    membership = join()  # a replacement for a lost rank, started by the survivors: it joins their run
+    if membership is not None:
+        return _join(name, console, args, build_task, membership, replace, argv, headline)
     job = world()
     rank, size = job.rank, job.size
     console.rank = rank
@@ -104,16 +119,29 @@ def run_app(name: str, parser, build_task, argv=None, headline: tuple[str, str] 
         try:
             app = AppSettings({**run_settings(args), **(settings(args) if settings else {})},
                               cfg.total_steps(task.steps_per_epoch), cfg.lr_schedule, derived_options(args))
-            recovery = recovery_for(args, cfg, job, build_task, console)
+            recovery = recovery_for(args, cfg, job, build_task, console, replace)
             with comparing_app_settings(app):
-                return _train(name, console, task, algo, cfg, argv, headline,
+                code = _train(name, console, task, algo, cfg, argv, headline,
                               {"settings": app.flags, "auto": getattr(args, "auto_choice", None)}, recovery)
         finally:
             lock.release()
+    leave(recovery.membership if recovery else None, code)
+    return code
+
+
+def _join(name: str, console: Console, args, build_task, membership, replace: list[str], argv, headline) -> int:
+    """A replacement process: receive the survivors' state (no checkpoint is read), then train with them."""
+    console.rank = membership.world.rank
+    with abort_on_exception(membership.world):
+        cfg = train_config(args)
+        recovery, joined = Recovery.join(membership, rebuilder(args, build_task, console), cfg.min_ranks, replace)
+        code = _train(name, console, joined.task, joined.algo, cfg, argv, headline, {}, recovery, joined)
+    leave(membership, code)
+    return code
 
 
 def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[str, str], recorded: dict,
-           recovery=None) -> int:
+           recovery=None, joined=None) -> int:
     """Train, print the final line, and return the exit status (see the module docstring).
 
     The final line's score is the last evaluation's. A run stopped after it (a signal, ``--stop-at-step``)
@@ -128,7 +156,7 @@ def _train(name: str, console: Console, task, algo, cfg, argv, headline: tuple[s
     console.info(f"training {cfg.total_steps(task.steps_per_epoch)} steps of {algo.name} on {size} rank(s), "
                  f"{graph}{algo.flat.numel:,} parameters")
     try:
-        summary = run_training(task, algo, cfg, console=console, recovery=recovery, run_info={
+        summary = run_training(task, algo, cfg, console=console, recovery=recovery, joined=joined, run_info={
             "app": name, "argv": sys.argv[1:] if argv is None else list(argv),
             **{k: v for k, v in recorded.items() if v is not None}})
     except Exception as exc:

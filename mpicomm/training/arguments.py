@@ -261,14 +261,21 @@ def setup_run(args: argparse.Namespace, world, build, console=None, check=None):
         raise
 
 
-def recovery_for(args: argparse.Namespace, cfg: TrainConfig, world, build_task, console=None) -> Recovery | None:
-    """Collective: the :class:`~.recovery.Recovery` of a run with ``--on-rank-loss continue`` (None otherwise).
-
-    After a lost rank it rebuilds the run on the survivors exactly as :func:`setup_run` built it: the topology and
-    communicator at their size, ``build_task(args, rank, size)`` (this rank's data shard of the survivors'), the
-    algorithm (``--algorithm auto``: the one chosen at the start, which set ``args.algorithm``)."""
-    if cfg.on_rank_loss != "continue":
+def recovery_for(args: argparse.Namespace, cfg: TrainConfig, world, build_task, console=None,
+                 replace: list[str] | None = None) -> Recovery | None:
+    """Collective: the :class:`~.recovery.Recovery` of a run with ``--on-rank-loss continue`` or ``replace`` (None
+    with ``stop``); ``replace``: the command a replacement process runs (the app's own)."""
+    if cfg.on_rank_loss == "stop":
         return None
+    return Recovery(world, rebuilder(args, build_task, console), cfg.min_ranks,
+                    replace if cfg.on_rank_loss == "replace" else None)
+
+
+def rebuilder(args: argparse.Namespace, build_task, console=None):
+    """``rebuild(world)`` for :class:`~.recovery.Recovery`: the run rebuilt on the world of the survivors (and any
+    replacements) exactly as :func:`setup_run` built it: the topology and communicator at its size,
+    ``build_task(args, rank, size)`` (this rank's data shard), the algorithm (``--algorithm auto``: the one chosen
+    at the start, which set ``args.algorithm``). Collective over that world."""
 
     def rebuild(survivors):
         again = argparse.Namespace(**vars(args))
@@ -279,7 +286,7 @@ def recovery_for(args: argparse.Namespace, cfg: TrainConfig, world, build_task, 
                                lambda: build_task(again, survivors.rank, survivors.size), console)
         return task, algo
 
-    return Recovery(world, rebuild, cfg.min_ranks)
+    return rebuild
 
 
 def _build(args, comm, cfg, device, build, console):

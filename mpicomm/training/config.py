@@ -100,9 +100,9 @@ class TrainConfig:
         if self.free_running and self.precision == "fp16":
             raise ValueError("--free-running cannot be combined with --precision fp16 (its loss scale is agreed "
                              "by every rank at every step); use bf16")
-        if self.on_rank_loss == "continue" and self.free_running:
-            raise ValueError("--on-rank-loss continue cannot be combined with --free-running (recovery continues "
-                             "from the last step every rank committed, and free-running ranks commit none)")
+        if self.on_rank_loss != "stop" and self.free_running:
+            raise ValueError(f"--on-rank-loss {self.on_rank_loss} cannot be combined with --free-running (recovery "
+                             "continues from the last step every rank committed, and free-running ranks commit none)")
         if self.overwrite and self.resume:
             raise ValueError("--overwrite deletes the run in --out-dir and --resume continues it: give one of them")
 
@@ -114,13 +114,6 @@ class TrainConfig:
         """
         total = self.epochs * steps_per_epoch // self.accumulate
         return min(total, self.max_steps) if self.max_steps else total
-
-    def total_after(self, step: int, epoch: int, batch: int, steps_per_epoch: int) -> int:
-        """Steps of a run continued at another world size from ``step`` at (``epoch``, ``batch``): that step plus the
-        updates the rest of its ``epochs`` hold at this size's ``steps_per_epoch``, capped by ``max_steps`` (the run
-        ends with its last epoch, whatever size took its earlier steps)."""
-        left = max(0, self.epochs * steps_per_epoch - (epoch * steps_per_epoch + batch)) // self.accumulate
-        return min(step + left, self.max_steps) if self.max_steps else step + left
 
     def check_total(self, steps_per_epoch: int) -> None:
         """Raise ``ValueError`` naming the options when the run would have no update at all."""

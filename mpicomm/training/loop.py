@@ -61,7 +61,7 @@ from .console import Console
 from .device import to_device
 from .health import agree, local_problem
 from .pace import SharedSteps
-from .recovery import Recovery
+from .recovery import LostRanks, Recovery
 from .reporting import account, log_window
 from .run import Run
 
@@ -69,8 +69,12 @@ __all__ = ["LR_SCALINGS", "Task", "TrainConfig", "agree_steps_per_epoch", "run_t
 
 
 def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = None,
-                 console: Console | None = None, recovery: Recovery | None = None) -> dict:
+                 console: Console | None = None, recovery: Recovery | None = None, joined: LostRanks | None = None
+                 ) -> dict:
     """Train ``task`` with ``algo`` as ``cfg`` says; return the final summary (same on every rank).
+
+    ``recovery`` (``--on-rank-loss continue`` or ``replace``): a lost rank does not end the run (:mod:`.recovery`).
+    ``joined``: in a replacement process, what it received from the survivors; the run continues from there.
 
     Exit status for the caller: ``summary["stopped_by_signal"]`` is the signal number when the run was
     interrupted (after a checkpoint was committed), else 0. A run that cannot go on raises an error
@@ -78,10 +82,14 @@ def run_training(task: Task, algo, cfg: TrainConfig, *, run_info: dict | None = 
     (``CheckpointError``), a divergence or a checkpoint that could not be written (``TrainingStopped``).
     """
     console = console or Console("train", algo.comm.rank)
-    agree_steps_per_epoch(task, algo.comm, console)
+    if joined is None:  # a replacement's task was agreed on when the survivors rebuilt the run with it
+        agree_steps_per_epoch(task, algo.comm, console)
     run = _Training(task, algo, cfg, console, recovery)
     try:
-        run.begin(run_info or {})
+        if joined is None:
+            run.begin(run_info or {})
+        else:
+            run.continue_after_loss(joined, None)
         while True:
             try:
                 return run.train()

@@ -35,9 +35,9 @@ import torch
 from ..comm import faults
 from ..errors import TrainingStopped, mark_agreed
 
-__all__ = ["ON_RANK_LOSS", "LostRanks", "Recovery", "check_on_rank_loss"]
+__all__ = ["ON_RANK_LOSS", "LostRanks", "Recovery", "check_on_rank_loss", "state_digest"]
 
-ON_RANK_LOSS = ("stop", "continue")
+ON_RANK_LOSS = ("stop", "continue", "replace")
 
 
 def check_on_rank_loss(on_rank_loss: str, min_ranks: int, size: int) -> None:
@@ -46,9 +46,9 @@ def check_on_rank_loss(on_rank_loss: str, min_ranks: int, size: int) -> None:
         raise ValueError(f"--on-rank-loss must be one of {', '.join(ON_RANK_LOSS)}, got {on_rank_loss!r}")
     if not 1 <= min_ranks <= max(size, 1):
         raise ValueError(f"--min-ranks must be between 1 and the job's {size} ranks, got {min_ranks}")
-    if on_rank_loss == "continue" and not faults.available():
-        raise ValueError("--on-rank-loss continue needs an MPI that survives a lost rank, and this job's does not "
-                         "(MPICH, or Open MPI launched without --with-ft ulfm): set up the fault-tolerant stack "
+    if on_rank_loss != "stop" and not faults.available():
+        raise ValueError(f"--on-rank-loss {on_rank_loss} needs an MPI that survives a lost rank, and this job's does "
+                         "not (MPICH, or Open MPI launched without --with-ft ulfm): set up the fault-tolerant stack "
                          "once with scripts/setup_env.sh --ft and launch with scripts/ft_run.sh -n N python ...")
 
 
@@ -86,7 +86,7 @@ def _replaced(tree, swap, path: tuple = ()):
     return tree
 
 
-def _digest(tensor: torch.Tensor) -> str:
+def state_digest(tensor: torch.Tensor) -> str:
     """A digest of ``tensor``'s dtype, shape and bytes."""
     data = tensor.detach().cpu().contiguous().reshape(-1)
     raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
@@ -97,16 +97,22 @@ class _Same:
     """Stands for a tensor that every survivor holds alike (each puts its own copy back in)."""
 
 
-def _gather_states(world, state: dict) -> list[dict]:
-    """Collective: every survivor's ``state``, in rank order. A tensor that every survivor holds alike (the
-    centralized methods' parameters and optimizer state, the DiLoCo family's outer state) is not sent: only a digest
-    of it is, and each survivor puts its own copy back; what differs (replicas, residuals, generators) is gathered."""
-    digests = dict((path, _digest(t)) for path, t in _tensors(state))
+def _gather_states(world, state: dict | None) -> list[dict]:
+    """Collective: every survivor's ``state``, in rank order (a replacement that just joined passes None and gets
+    them too). A tensor that every survivor holds alike (the centralized methods' parameters and optimizer state,
+    the DiLoCo family's outer state) is not gathered: only a digest of it is, each survivor puts its own copy back,
+    and rank 0 (a survivor) sends one copy to the replacements; what differs (replicas, residuals, generators) is."""
+    digests = None if state is None else {path: state_digest(t) for path, t in _tensors(state)}
     every = world.allgather_object(digests, "the digests of the survivors' states")
-    alike = {path for path, digest in digests.items() if all(d.get(path) == digest for d in every)}
-    mine = dict(_tensors(state))
-    sent = _replaced(state, lambda path, t: _Same() if path in alike else t)
-    gathered = world.allgather_object(sent, "the survivors' committed states")
+    present = [d for d in every if d is not None]
+    alike = {path for path, digest in present[0].items() if all(d.get(path) == digest for d in present)}
+    mine = {} if state is None else dict(_tensors(state))
+    sent = None if state is None else _replaced(state, lambda path, t: _Same() if path in alike else t)
+    gathered = [other for other in world.allgather_object(sent, "the survivors' committed states") if other is not None]
+    if len(present) < world.size:  # replacements: one copy of what the survivors hold alike, from rank 0
+        shared = world.bcast_object({path: mine[path] for path in alike} if world.rank == 0 else None,
+                                    what="the survivors' shared state")
+        mine = mine or shared
     return [_restored(other, mine) for other in gathered]
 
 
@@ -123,10 +129,10 @@ def _restored(tree, mine: dict, path: tuple = ()):
 
 @dataclass
 class LostRanks:
-    """What :meth:`Recovery.recover` hands to the run that continues on the survivors."""
+    """What :meth:`Recovery.recover` (and :meth:`Recovery.join`) hand to the run that continues on the survivors."""
 
     lost: list[int]
-    """The ``MPI_COMM_WORLD`` ranks that are gone."""
+    """The ranks, in the world before, that are gone."""
     old_size: int
     states: list[dict]
     """Every survivor's state after the last committed step, in the new rank order."""
@@ -137,7 +143,9 @@ class LostRanks:
     rank0_survived: bool
     """Whether the process that was rank 0 (which holds ``--out-dir``'s lock and writes the metrics) still is."""
     started: float
-    """``time.perf_counter()`` when this rank began recovering."""
+    """``time.perf_counter()`` when this rank began recovering (joining)."""
+    joined: list[int]
+    """The ranks of the replacements that joined (``--on-rank-loss replace``), the last ones; empty otherwise."""
 
 
 class Recovery:
@@ -145,12 +153,17 @@ class Recovery:
 
     ``rebuild(world)``: collective over the survivors' :class:`~mpicomm.comm.World`; returns ``(task, algo)`` built
     at its size, this rank's data shard included. ``min_ranks``: below this many survivors the run ends.
+    ``replace``: the command (a list, as ``sys.argv`` with the interpreter first) that the survivors start once per
+    lost rank so that the job keeps its size (``--on-rank-loss replace``); None: continue on the survivors.
     """
 
-    def __init__(self, world, rebuild: Callable, min_ranks: int = 1):
-        self.membership = faults.Membership(world)
+    def __init__(self, world, rebuild: Callable, min_ranks: int = 1, replace: list[str] | None = None,
+                 membership=None):
+        self.membership = membership or faults.Membership(world)
         self.rebuild = rebuild
         self.min_ranks = min_ranks
+        self.replace = replace
+        self.size = self.membership.world.size  # the size a replacing job keeps
         self.snapshot: dict | None = None
         self._committing = False
 
@@ -173,7 +186,8 @@ class Recovery:
         return self.snapshot is not None and faults.is_rank_loss(exc)
 
     def recover(self) -> LostRanks:
-        """Collective over the survivors: shrink to them, gather their committed states, rebuild the run."""
+        """Collective over the survivors: shrink to them (and start replacements), gather their committed states,
+        rebuild the run."""
         started = time.perf_counter()
         self.membership.revoke()
         if not self._committing:
@@ -181,13 +195,36 @@ class Recovery:
         self._committing = False
         before = list(self.membership.origin)
         world, lost = self.membership.shrink()
+        step = self.snapshot["position"]["step"]
         if world.size < self.min_ranks:
-            message = (f"rank(s) {', '.join(map(str, lost))} lost at step {self.snapshot['position']['step']}: "
-                       f"{world.size} left, fewer than --min-ranks {self.min_ranks}; the last checkpoint resumes "
-                       "the run at any size (--resume latest)")
+            message = (f"rank(s) {', '.join(map(str, lost))} lost at step {step}: {world.size} left, fewer than "
+                       f"--min-ranks {self.min_ranks}; the last checkpoint resumes the run at any size (--resume "
+                       "latest)")
             raise mark_agreed(TrainingStopped(message), message, range(world.size), world.size)
-        states = _gather_states(world, self.snapshot)
+        survivors = list(self.membership.origin)
+        places = [before.index(process) for process in survivors]
+        joined: list[int] = []
+        if self.replace is not None and world.size < self.size:
+            world = self.membership.grow(self.size - world.size, self.replace)
+            joined = list(range(len(survivors), world.size))
+            world.bcast_object((lost, len(before), places, survivors[0] == before[0]), what="the loss")
+        return self._rebuilt(world, self.snapshot, lost, len(before), places, survivors[0] == before[0], started,
+                             joined)
+
+    @classmethod
+    def join(cls, membership, rebuild: Callable, min_ranks: int = 1, replace: list[str] | None = None
+             ) -> tuple[Recovery, LostRanks]:
+        """In a replacement process, collective with the survivors' :meth:`recover`: receive their committed states
+        from them (no checkpoint is read) and build this rank's part of the run."""
+        started = time.perf_counter()
+        recovery = cls(membership.world, rebuild, min_ranks, replace, membership)
+        world = membership.world
+        lost, old_size, places, rank0_survived = world.bcast_object(None, what="the loss")
+        joined = list(range(len(places), world.size))
+        return recovery, recovery._rebuilt(world, None, lost, old_size, places, rank0_survived, started, joined)
+
+    def _rebuilt(self, world, snapshot, lost, old_size, places, rank0_survived, started, joined) -> LostRanks:
+        """Collective over the new world: the survivors' states on every rank, and the run rebuilt at its size."""
+        states = _gather_states(world, snapshot)
         task, algo = self.rebuild(world)
-        places = [before.index(origin) for origin in self.membership.origin]
-        return LostRanks(lost, len(before), states, places, task, algo, self.membership.origin[0] == before[0],
-                         started)
+        return LostRanks(lost, old_size, states, places, task, algo, rank0_survived, started, joined)

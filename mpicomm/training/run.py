@@ -18,6 +18,7 @@ from .console import Console
 from .metrics import MetricsWriter
 from .pace import SharedSteps
 from .precision import Precision
+from .recovery import state_digest
 from .reporting import Progress, drifted, eval_line, evaluate
 from .resume import Resumed, resolve_resume, restore_run, restore_states
 from .rundir import RunLock, claim_out_dir
@@ -43,7 +44,8 @@ class Run:
         self.total = cfg.total_steps(task.steps_per_epoch)
         algo.accumulate(cfg.accumulate)
         algo.clip_grad_norm_(cfg.clip_grad_norm or None)
-        self.schedule = self._schedule()
+        self.schedule = LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones,
+                                   cfg.lr_gamma)
         self.meta = run_meta(algo.comm, algo)
         self.device = algo.flat.data.device
         self.precision = Precision(cfg.precision, self.device, algo.comm)
@@ -62,11 +64,6 @@ class Run:
         self.signalled = False
         self.pace: SharedSteps | None = None
         self.t_run = time.perf_counter()
-
-    def _schedule(self) -> LRSchedule:
-        """The learning rate as a function of the step over this run's ``total`` steps."""
-        cfg = self.cfg
-        return LRSchedule(cfg.lr, self.total, cfg.lr_schedule, cfg.warmup_steps, cfg.milestones, cfg.lr_gamma)
 
     def begin(self, run_info: dict) -> None:
         """Collective: claim ``--out-dir``, resume if asked, open the metrics file, install the signal handlers."""
@@ -117,9 +114,6 @@ class Run:
     def _continue_from(self, resumed: Resumed) -> None:
         """Take the position, the run's first size (and ``--lr-scaling``'s factor) and the counters of ``resumed``."""
         self.step, self.epoch, self.start = resumed.step, resumed.epoch, resumed.batch
-        if resumed.resized_from:  # the steps per epoch changed with the size: the run still ends with its epochs
-            self.total = self.cfg.total_after(self.step, self.epoch, self.start, self.task.steps_per_epoch)
-            self.schedule = self._schedule()
         self.started_ranks = resumed.started_ranks or self.size
         if self.cfg.lr_scaling == "linear":
             self.lr_factor = self.size / self.started_ranks
@@ -129,26 +123,39 @@ class Run:
             self.algo.comm.ledger.load_state_dict(counters["ledger"])
             self.algo.comm.clock.load_totals(counters["clock"])
 
-    def continue_after_loss(self, lost, previous: Run) -> None:
-        """Collective over the survivors: continue ``previous`` (the run a lost rank interrupted) from its last
-        committed step at this size (:mod:`.recovery`); its lock, last checkpoint and evaluation carry over."""
+    def continue_after_loss(self, lost, previous: Run | None) -> None:
+        """Collective over the survivors (and the replacements that joined them): continue ``previous`` (the run a
+        lost rank interrupted; None in a replacement) from its last committed step at this size (:mod:`.recovery`);
+        its lock, last checkpoint and evaluation carry over."""
         resumed = restore_states(lost.states, lost.places, self.algo, self.precision, self.task.steps_per_epoch)
         self._continue_from(resumed)
-        self.wall_offset = previous.wall()  # the time lost to the failure and the recovery counts
-        self.last_saved, self.saved_step, self.evaluated = previous.last_saved, previous.saved_step, previous.evaluated
-        self.lock, previous.lock = previous.lock, RunLock(None)
+        digests = self.comm.allgather_object(state_digest(self.algo.flat.data), "the digests of the models")
+        if previous is not None:
+            self.wall_offset = previous.wall()  # the time lost to the failure and the recovery counts
+            self.last_saved, self.saved_step = previous.last_saved, previous.saved_step
+            self.evaluated = previous.evaluated
+            self.lock, previous.lock = previous.lock, RunLock(None)
         if self.cfg.out_dir and not lost.rank0_survived:  # rank 0's process held the lock and the metrics file
             self.lock = claim_out_dir(self.comm, self.cfg.out_dir, resume="latest", overwrite=False)
-        previous.close()
+        if previous is not None:
+            previous.close()
         path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
         self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=True)
         seconds = time.perf_counter() - lost.started
+        survivors = self.size - len(lost.joined)
         self.metrics.write({"event": "rank_lost", "step": self.step, "lost": lost.lost, "old_size": lost.old_size,
-                            "new_size": self.size, "recover_s": seconds, "rule": self.algo.resize_family,
+                            "new_size": survivors, "recover_s": seconds, "rule": self.algo.resize_family,
                             "epoch": self.epoch, "batch": self.start, "wall_s": self.wall_offset})
+        joined = ""
+        if lost.joined:
+            donors = set(digests[:survivors])
+            self.metrics.write({"event": "rank_joined", "step": self.step, "joined": lost.joined, "size": self.size,
+                                "model_equals_donors": all(digests[r] in donors for r in lost.joined),
+                                "donors_agree": len(donors) == 1})
+            joined = f", {len(lost.joined)} replacement(s) joined"
         self.console.warning(f"rank(s) {', '.join(map(str, lost.lost))} lost: continuing at step {self.step} on "
-                             f"{self.size} of {lost.old_size} ranks ({self.algo.resize_family} rule), recovered in "
-                             f"{seconds:.2f} s")
+                             f"{self.size} of {lost.old_size} ranks{joined} ({self.algo.resize_family} rule), "
+                             f"recovered in {seconds:.2f} s")
         self.stop = StopFlag(install=self.cfg.handle_signals, guard=self.guard)
         self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
         self.t_run = time.perf_counter() - self.wall_offset
