@@ -6,17 +6,21 @@ The library in a few lines (see :mod:`mpicomm.api`)::
     job = mpicomm.init()
     algo = mpicomm.wrap(model, optimizer, "moniqua", topology="ring")
 
-Importing ``mpicomm`` initialises nothing: ``init``, ``wrap``, ``sampler``, ``save`` and ``restore`` load MPI
-when first called.
+Importing ``mpicomm`` initialises nothing: ``init``, ``wrap``, ``sampler``, ``save``, ``restore`` and ``Elastic``
+(a loop that outlives a lost rank, :mod:`mpicomm.elastic`) load MPI when first used.
 Pure modules (``topology``, ``codecs``, ``ledger``) import no MPI; ``mpicomm.comm`` is the only package
 that does.
 """
 
 __version__ = "0.1.0"
-__all__ = ["Job", "init", "restore", "sampler", "save", "wrap"]
+__all__ = ["Elastic", "Job", "init", "restore", "sampler", "save", "wrap"]
 
 
 def __getattr__(name: str):
+    if name == "Elastic":
+        from .elastic import Elastic
+
+        return Elastic
     if name in __all__:
         from . import api
 

@@ -265,3 +265,24 @@ def test_a_stalled_rank_leaves_and_the_others_continue(tmp_path):
     events = _events(out)
     _lost(events, 3)
     _ended(events)
+
+
+def test_a_users_loop_with_elastic_outlives_a_lost_rank(tmp_path):
+    """mpicomm.Elastic around a user's own loop (tests/elastic_job.py, AllReduce-SGD): rank 2 killed once the job
+    runs; the survivors redo the interrupted step, re-shard, and end at step 30 with 3 identical models."""
+    out, result = tmp_path / "elastic", tmp_path / "elastic.json"
+    out.mkdir()
+    command = [str(FT_RUN), "-n", "4", "python", "tests/elastic_job.py", "allreduce_sgd", str(result), str(out)]
+    log = open(tmp_path / "elastic.log", "w+")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        _wait_for(proc, lambda: (out / "steps").exists() and int((out / "steps").read_text() or 0) >= 5, "step 5")
+        _kill(out, 2)
+    finally:
+        code, text = _finish(proc, log)
+    assert code == 0, text[-2000:]
+    done = json.loads(result.read_text())
+    assert done["steps"] == 30 and done["size"] == 3, done
+    assert [(r["lost"], r["old_size"], r["new_size"]) for r in done["recoveries"]] == [([2], 4, 3)], done
+    assert len(set(done["digests"])) == 1, "the survivors' AllReduce-SGD models differ"

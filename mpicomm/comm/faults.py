@@ -124,8 +124,8 @@ class Membership:
         self._agreement.Set_errhandler(MPI.ERRORS_RETURN)
         self.origin: list[str] = self._agreement.allgather(f"{socket.gethostname()}:{os.getpid()}")
         """``origin[r]``: the process that is rank ``r`` now (host and pid)."""
-        guard = process_guard(abort_world)
-        guard.after_wait, guard.leave_when_stalled = self.check, True
+        self._guard = process_guard(abort_world)
+        self._guard.after_wait, self._guard.leave_when_stalled = self.check, True
 
     def check(self) -> None:
         """Raise :class:`RankLost` if MPI knows of a rank of the current world that failed (local, no message).
@@ -140,7 +140,8 @@ class Membership:
         """Collective, uniform: end a step that every survivor finished (``ok``); raise :class:`RankLost` on every
         survivor when some rank is gone or voted failed, so that none keeps a step the others lost."""
         try:
-            agreed = self._agreement.Agree(1 if ok else 0)
+            with self._guard.waiting("the step's commit", checked=False):
+                agreed = self._agreement.Agree(1 if ok else 0)
         except MPI.Exception as exc:
             if not is_rank_loss(exc):
                 raise
@@ -156,7 +157,8 @@ class Membership:
     def vote_failed(self) -> None:
         """Join the survivors' pending :meth:`commit` with a failed vote (after a failure met outside it)."""
         try:
-            self._agreement.Agree(0)
+            with self._guard.waiting("the vote after a lost rank", checked=False):
+                self._agreement.Agree(0)
         except MPI.Exception as exc:
             if not is_rank_loss(exc):
                 raise
@@ -164,7 +166,8 @@ class Membership:
     def shrink(self) -> tuple[World, list[int]]:
         """Collective over the survivors: the world of the ranks still alive (which becomes the process's world,
         :func:`~mpicomm.comm.world`) and the ranks, in the world before, of those that are gone."""
-        survivors = self._agreement.Shrink()
+        with self._guard.waiting("the shrink to the survivors", checked=False):
+            survivors = self._agreement.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
         before = self.origin
         self._adopt(World(survivors))
@@ -173,8 +176,9 @@ class Membership:
     def grow(self, count: int, command: list[str]) -> World:
         """Collective over the survivors: start ``count`` replacement processes running ``command`` (``MPI_Comm_spawn``;
         each calls :func:`join`) and make the world of survivors and replacements, the replacements last."""
-        spawned = self._agreement.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
-        merged = spawned.Merge(high=False)
+        with self._guard.waiting("starting the replacements", checked=False):
+            spawned = self._agreement.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
+            merged = spawned.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         self.grown = True
         self._adopt(World(merged))

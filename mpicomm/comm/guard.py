@@ -9,7 +9,7 @@ looks at that record twice a second and ends the rank in two cases:
   library use; 0: never): some rank is not taking part. One line names the collective, what the run was
   doing and the step; then ``MPI_Abort`` ends every rank with :data:`EXIT_HUNG`. Under ``--on-rank-loss
   continue``/``replace`` the wait may last twice that, and a rank that spent ``timeout_s`` inside a step without
-  reaching MPI (the stalled one) leaves the job with :data:`EXIT_HUNG` instead: the others recover without it.
+  reaching MPI (the stalled one) leaves the job instead (it kills itself): the others recover without it.
 * a stop signal (SIGTERM, SIGUSR1) arrived and the rank is still blocked in a wait the grace period
   after it — 10 s (``MPICOMM_SIGNAL_GRACE``) or twice the longest step so far, whichever is longer,
   so that slower peers can still reach the agreement: the ranks cannot agree to stop and checkpoint,
@@ -107,8 +107,9 @@ class WaitGuard:
         self._step, self._step_began = value, now
 
     @contextlib.contextmanager
-    def waiting(self, what: str):
-        """Mark the body as a blocking wait on ``what`` (e.g. ``"allgather"``); nested marks keep the outer."""
+    def waiting(self, what: str, checked: bool = True):
+        """Mark the body as a blocking wait on ``what`` (e.g. ``"allgather"``); nested marks keep the outer.
+        ``checked``: run :attr:`after_wait` when it ends (not for the agreements that recover from a lost rank)."""
         if self._wait is not None:
             yield
             return
@@ -119,7 +120,7 @@ class WaitGuard:
         finally:
             self._wait = None
             self._waited = time.monotonic()
-        if self.after_wait is not None:
+        if checked and self.after_wait is not None:
             self.after_wait()
 
     @contextlib.contextmanager
@@ -209,9 +210,10 @@ class WaitGuard:
             return
         outside = now - max(self._step_began, self._waited)
         if outside >= self.timeout_s:
+            # SIGKILL: Open MPI 5.0 told the others of a process that exited with a status only once it was killed
             self._say(f"spent {outside:.0f} s in {self._where('a step')} without reaching MPI: this rank leaves the "
-                      f"job so that the others continue without it (exit {EXIT_HUNG})")
-            os._exit(EXIT_HUNG)
+                      "job (SIGKILL) so that the others continue without it")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _say(self, text: str) -> None:
         sys.stdout.flush()
