@@ -3,7 +3,7 @@
     unshare -n bash -c 'ip link set lo up && nice python bench/recovery/accuracy.py'
 
 For each method (``--algorithms``), on ``bench/recovery/mlp_app.py``'s MLP (``--params-m``) over the embedded
-digits, ``--epochs`` epochs, a checkpoint every ``--save-every`` steps, all under the fault-tolerant stack
+digits, ``--steps`` steps, a checkpoint every ``--save-every`` steps, all under the fault-tolerant stack
 (``scripts/ft_run.sh``):
 
 * **uninterrupted**: ``--ranks`` ranks to the end, once per seed in ``--seeds`` (the spread is the noise);
@@ -14,7 +14,8 @@ digits, ``--epochs`` epochs, a checkpoint every ``--save-every`` steps, all unde
   the seconds from the kill to the job's exit, and the restart's seconds from launch to its first step (no queue
   wait counted).
 
-The runs keep their epoch count at the smaller size (more, smaller steps). Accuracy is the ``end`` event's
+A run keeps its ``--steps`` at the smaller size (a length in steps: some methods, such as APMSqueeze, fix
+their schedule from it and refuse a resume that changes it). Accuracy is the ``end`` event's
 ``test_accuracy`` (the digits' 359 test images). Raw results: ``bench/results/recovery_accuracy.json``; a
 markdown table on stdout.
 """
@@ -36,9 +37,10 @@ SCRIPT = "bench/recovery/mlp_app.py"
 
 def base_args(args, algorithm: str, seed: int, on_loss: str) -> list[str]:
     """The app's options every run of ``algorithm`` shares."""
-    return ["--params-m", str(args.params_m), "--algorithm", algorithm, "--epochs", str(args.epochs),
-            "--seed", str(seed), "--save-every", str(args.save_every), "--keep-last", "2", "--log-every", "1",
-            "--on-rank-loss", on_loss, *args.extra.split()]
+    lr = ["--lr", args.lr_of[algorithm]] if algorithm in args.lr_of else []
+    return ["--params-m", str(args.params_m), "--algorithm", algorithm, "--epochs", "100000", "--max-steps",
+            str(args.steps), *lr, "--seed", str(seed), "--save-every", str(args.save_every), "--keep-last", "2",
+            "--log-every", "1", "--on-rank-loss", on_loss, *args.extra.split()]
 
 
 def final(job: Job) -> dict:
@@ -114,7 +116,9 @@ def run_family(args, algorithm: str) -> dict:
         attempt(f"uninterrupted_seed{seed}", uninterrupted(seed))
     attempt("continue", live)
     attempt("requeue", requeue)
-    shutil.rmtree(args.work, ignore_errors=True)
+    for out in args.work.glob(f"{algorithm}-*"):
+        if out.is_dir():  # the checkpoints; the logs stay
+            shutil.rmtree(out, ignore_errors=True)
     return row
 
 
@@ -125,7 +129,9 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--lose", type=int, default=1, help="ranks killed at once")
     p.add_argument("--params-m", type=float, default=0.5)
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--steps", type=int, default=110, help="the run's --max-steps (10 epochs at 4 ranks)")
+    p.add_argument("--lr-of", type=lambda s: dict(kv.split("=") for kv in s.split(",") if kv), default="moniqua=0.05",
+                   help="METHOD=LR,...: a learning rate other than the method's default")
     p.add_argument("--kill-after", type=int, default=50, help="kill once this step is logged")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])

@@ -119,7 +119,7 @@ def main() -> int:
             overhead.append({"model": model, "algorithm": algorithm, "stop_step_s": pair["stop"]["step_s"],
                              "continue_step_s": pair["continue"]["step_s"],
                              "ratio": pair["continue"]["step_s"] / pair["stop"]["step_s"], "runs": pair})
-    for model in args.models.split(","):
+    for model in filter(None, args.models.split(",")):
         params = model_args(model)[2]
         for ranks in map(int, args.ranks.split(",")):
             for algorithm in args.algorithms.split(","):
