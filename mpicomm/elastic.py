@@ -21,6 +21,7 @@ the fault-tolerant stack (``scripts/ft_run.sh``); elsewhere building one is refu
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 from typing import Callable
@@ -30,6 +31,7 @@ from .algorithms import make_algorithm
 from .checkpoint.resize import load_resized
 from .checkpoint.rng import capture_rng_state
 from .comm import Communicator, raise_together, world
+from .comm.faults import leave
 from .training.recovery import Recovery, check_on_rank_loss
 
 __all__ = ["Elastic"]
@@ -107,6 +109,8 @@ class Elastic:
                 self.algo, self.steps = lost.algo, step
                 self.recoveries.append({"step": step, "lost": lost.lost, "old_size": lost.old_size,
                                         "new_size": self.size})
+                if not self.recoveries[:-1]:  # the first recovery: MPI_Finalize may hang after one (faults.leave)
+                    atexit.register(leave, self._recovery.membership, 0)
                 if self._on_resize is not None:
                     self._on_resize(self.rank, self.size)
                 self._recovery.commit(self, (0, 0))

@@ -286,3 +286,13 @@ def test_a_users_loop_with_elastic_outlives_a_lost_rank(tmp_path):
     assert done["steps"] == 30 and done["size"] == 3, done
     assert [(r["lost"], r["old_size"], r["new_size"]) for r in done["recoveries"]] == [([2], 4, 3)], done
     assert len(set(done["digests"])) == 1, "the survivors' AllReduce-SGD models differ"
+
+
+def test_fewer_survivors_than_min_ranks_end_the_run_in_one_line(tmp_path):
+    """--min-ranks 4: the first loss leaves 3, so the survivors end the run with exit 3 and one line naming the
+    checkpoint to resume at any size, instead of continuing."""
+    out = tmp_path / "few"
+    code, text, events = _kill_at_step(out, "dpsgd", 1, 3, "--max-steps", "40", "--min-ranks", "4")
+    assert code == 3, text[-2000:]
+    assert "3 left, fewer than --min-ranks 4" in text, text[-2000:]
+    assert not any(e.get("event") == "end" for e in events)

@@ -113,7 +113,7 @@ class Membership:
     """
 
     def __init__(self, world: World):
-        self.grown = False  # this process took part in spawning replacements (see :func:`leave`)
+        self.changed = False  # the job lost a rank or grew since it started (see :func:`leave`)
         self._adopt(world)
 
     def _adopt(self, world: World) -> None:
@@ -170,6 +170,7 @@ class Membership:
             survivors = self._agreement.Shrink()
         survivors.Set_errhandler(MPI.ERRORS_RETURN)
         before = self.origin
+        self.changed = True
         self._adopt(World(survivors))
         return self.world, [rank for rank, process in enumerate(before) if process not in self.origin]
 
@@ -180,7 +181,6 @@ class Membership:
             spawned = self._agreement.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
             merged = spawned.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        self.grown = True
         self._adopt(World(merged))
         return self.world
 
@@ -194,18 +194,19 @@ def join() -> Membership | None:
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     membership = Membership(World(merged))
-    membership.grown = True
+    membership.changed = True
     return membership
 
 
 def leave(membership: Membership | None, code: int) -> None:
-    """End the process with ``code`` after a job that grew (:meth:`Membership.grow`); return at once otherwise.
+    """Finalize MPI in a job that lost a rank (:meth:`Membership.shrink`) or grew (:meth:`Membership.grow`); return at
+    once in one that did neither.
 
     Open MPI 5.0's ``MPI_Finalize`` (collective over every process a job connected to) hung in about 1 of 5 jobs
-    where survivors had spawned and merged a replacement, and ``MPI_Comm_disconnect`` before it always did: every
-    rank meets in a barrier and finalizes at once, and a rank whose finalize has not returned :data:`LEAVE_S`
-    later exits without it."""
-    if membership is None or not membership.grown:
+    where survivors had spawned and merged a replacement (``MPI_Comm_disconnect`` before it always did), and in
+    one job that had only shrunk: every rank meets in a barrier and finalizes at once, and a rank whose finalize
+    has not returned :data:`LEAVE_S` later exits with ``code`` without it."""
+    if membership is None or not membership.changed:
         return
     try:
         raw_comm(membership.world).Barrier()

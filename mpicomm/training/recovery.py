@@ -52,17 +52,6 @@ def check_on_rank_loss(on_rank_loss: str, min_ranks: int, size: int) -> None:
                          "once with scripts/setup_env.sh --ft and launch with scripts/ft_run.sh -n N python ...")
 
 
-def _detached(tree):
-    """``tree`` with every tensor copied: what stays true whatever the next step does to the live ones."""
-    if torch.is_tensor(tree):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _detached(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_detached(v) for v in tree)
-    return tree
-
-
 def _tensors(tree, path: tuple = ()):
     """``(path, tensor)`` for every tensor leaf of ``tree`` (dicts, lists and tuples)."""
     if torch.is_tensor(tree):
@@ -172,7 +161,8 @@ class Recovery:
         self._committing = True
         self.membership.commit()
         self._committing = False
-        self.snapshot = _detached(run.state(position))
+        # every tensor copied: what stays true whatever the next step does to the live ones
+        self.snapshot = _replaced(run.state(position), lambda path, t: t.detach().clone())
 
     def confirm(self) -> None:
         """Collective: raise the loss on every survivor if any rank is gone, before something outlives the step (an

@@ -129,6 +129,7 @@ class Run:
         its lock, last checkpoint and evaluation carry over."""
         resumed = restore_states(lost.states, lost.places, self.algo, self.precision, self.task.steps_per_epoch)
         self._continue_from(resumed)
+        self.console.rank = self.rank  # the new rank 0 speaks for the job
         digests = self.comm.allgather_object(state_digest(self.algo.flat.data), "the digests of the models")
         if previous is not None:
             self.wall_offset = previous.wall()  # the time lost to the failure and the recovery counts
