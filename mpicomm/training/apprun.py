@@ -6,7 +6,8 @@ Exit status (the same on every rank):
 * 2: the input was refused before training: a bad argument or option value, unusable data, a
   ``--resume`` checkpoint that is missing, damaged or from another world size/algorithm/model;
 * 3: training stopped because it cannot go on: the loss or parameters became non-finite, or a
-  checkpoint or the metrics could not be written (disk full); the last good checkpoint is named;
+  checkpoint or the metrics could not be written (disk full), or fewer than ``--min-ranks`` survived a lost
+  rank (``--on-rank-loss continue``/``replace``, :mod:`.recovery`); the last good checkpoint is named;
 * 1: an unexpected exception on some rank: the whole job is aborted, with that rank's traceback;
 * 4: a rank waited longer than ``--hang-timeout`` in a collective (one line names it and the step);
 * 5: trained to the end, but the last evaluation's averaged model (the score the run reports) scored far
