@@ -4,12 +4,14 @@
 
 Trains a small MLP on the embedded digits for 30 steps, each rank on its shard of (rank, size), re-sharded when
 the job shrinks; rank 0 writes the steps committed so far to DIR/steps after each, and after the end the final
-step, the size, the recoveries and a digest of every rank's parameters to OUT.json.
+step, the size, the recoveries and a digest of every rank's parameters to OUT.json. Each step also waits
+:data:`STEP_S` (the MLP's own step takes milliseconds), so that a kill from outside lands in the middle of the run.
 """
 
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ from sklearn.datasets import load_digits
 import mpicomm
 
 STEPS, BATCH = 30, 16
+STEP_S = 0.1
 
 
 def main() -> None:
@@ -42,6 +45,7 @@ def main() -> None:
         with elastic.step():
             elastic.algo.zero_grad()
             torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+            time.sleep(STEP_S)
             elastic.algo.step()
         if elastic.rank == 0:
             progress.write_text(str(elastic.steps))

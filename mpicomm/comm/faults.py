@@ -22,6 +22,7 @@ A rank's identity across shrinks is its rank in ``MPI_COMM_WORLD`` (:attr:`Membe
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import socket
@@ -217,5 +218,19 @@ def leave(membership: Membership | None, code: int) -> None:
     watchdog = threading.Timer(LEAVE_S, os._exit, (code,))
     watchdog.daemon = True
     watchdog.start()
-    MPI.Finalize()
+    _finalize_without_the_gil()
     watchdog.cancel()
+
+
+def _finalize_without_the_gil() -> None:
+    """``MPI_Finalize`` called through ctypes, which releases the GIL: mpi4py's ``Finalize`` holds it, and a hung
+    one then kept the watchdog thread of :func:`leave` from ever running. mpi4py sees MPI finalized afterwards."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libmpi.so" in line), None)
+    except OSError:
+        path = None
+    if path is None:
+        MPI.Finalize()
+    else:
+        ctypes.CDLL(path).MPI_Finalize()
