@@ -112,7 +112,7 @@ class Job:
         return t
 
     def finish(self, timeout: float = HANG_S) -> int:
-        """Wait for the job (kill its whole session past ``timeout``), read the rest of its events; its exit code."""
+        """Wait for the job (kill its process group past ``timeout``), read the rest of its events; its exit code."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -33,6 +33,15 @@ def _guard() -> WaitGuard | None:
     return guard
 
 
+def _guarded(what: str, call):
+    """``call()`` as a wait on ``what`` under the process's hang guard (unguarded while its settings are bad)."""
+    guard = _guard()
+    if guard is None:
+        return call()
+    with guard.waiting(what):
+        return call()
+
+
 class World:
     """The processes of an mpi4py intracommunicator (default ``MPI.COMM_WORLD``): ``rank``, ``size``, a guarded
     :meth:`allgather_object` and :meth:`abort`. ``comm`` is the mpi4py communicator itself, for those who want it.
@@ -62,19 +71,11 @@ class World:
         the hang timeout; unguarded only while a ``MPICOMM_*`` setting the guard reads is bad (``mpicomm.init``
         reports that error through this very call).
         """
-        guard = _guard()
-        if guard is None:
-            return self.comm.allgather(obj)
-        with guard.waiting(what):
-            return self.comm.allgather(obj)
+        return _guarded(what, lambda: self.comm.allgather(obj))
 
     def bcast_object(self, obj, root: int = 0, what: str = "bcast"):
         """Collective: ``root``'s ``obj`` on every rank (pickled; for control messages), under the hang guard."""
-        guard = _guard()
-        if guard is None:
-            return self.comm.bcast(obj, root=root)
-        with guard.waiting(what):
-            return self.comm.bcast(obj, root=root)
+        return _guarded(what, lambda: self.comm.bcast(obj, root=root))
 
     def abort(self, code: int) -> None:
         """End every process of this World with exit status ``code`` (``MPI_Abort``)."""

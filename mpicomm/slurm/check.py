@@ -28,7 +28,7 @@ import os
 import re
 import subprocess
 
-from .template import parse_template
+from .template import ON_RANK_LOSS_VALUES, parse_template
 
 __all__ = ["check_job", "check_jobs", "job_ranks", "job_settings", "main_check"]
 
@@ -116,7 +116,7 @@ def _probe_spec(job_path: str, environ: dict | None) -> tuple[list[str], dict | 
     if not os.path.isfile(python):
         python = "python3"
     ft = settings.get("ON_RANK_LOSS", "stop")
-    if ft not in ("stop", "continue"):
+    if ft not in ON_RANK_LOSS_VALUES:
         problems.append(f"ON_RANK_LOSS={ft}: expected stop or continue")
     elif ft == "continue":  # the ranks run on the fault-tolerant stack: probe with its Python, recovery on
         if not os.access(os.path.join(home, ".venv-ft", "bin", "mpirun"), os.X_OK):

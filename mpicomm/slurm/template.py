@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DATA_NAMES", "SBATCH_OPTIONS", "Template", "parse_template", "quote", "render", "unquote"]
+__all__ = ["DATA_NAMES", "ON_RANK_LOSS_VALUES", "SBATCH_OPTIONS", "Template", "parse_template", "quote", "render",
+           "unquote"]
 
 _HEADER = re.compile(r"^#SBATCH\s+--([a-z-]+)(?:=(.*))?$")
 _COMMENTED = re.compile(r"^##SBATCH\s+--([a-z-]+)(?:=(.*))?$")  # a header line left for the user to enable
@@ -29,6 +30,9 @@ _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _POSITIVE = ("nodes", "ntasks", "ntasks-per-node", "cpus-per-task", "gpus-per-task", "gpus-per-node", "gpus")
 
 DATA_NAMES = ("", "cifar10", "mnist", "python-docs")
+
+ON_RANK_LOSS_VALUES = ("stop", "continue")
+"""The values of ``ON_RANK_LOSS`` (the apps' ``--on-rank-loss`` that a job script launches for)."""
 """The values of ``DATA``: the datasets a job keeps in ``MPICOMM_DATA_DIR`` (see ``apps/fetch_data.py``)."""
 
 SBATCH_OPTIONS = frozenset(_POSITIVE + (
@@ -125,7 +129,7 @@ def _validate(key: str, value: str) -> None:
                          "embedded default, or data paths in EXTRA_ARGS)")
     if key == "LAUNCHER" and value not in ("auto", "srun", "mpiexec"):
         raise ValueError(f"--set LAUNCHER={value}: expected auto, srun or mpiexec")
-    if key == "ON_RANK_LOSS" and value not in ("stop", "continue"):
+    if key == "ON_RANK_LOSS" and value not in ON_RANK_LOSS_VALUES:
         raise ValueError(f"--set ON_RANK_LOSS={value}: expected stop (a lost rank ends the job) or continue (the "
                          "survivors train on, under the fault-tolerant stack: scripts/setup_env.sh --ft)")
     if key == "MPI_PMI" and value not in ("pmi2", "pmix", "pmix_v3", "pmix_v4", "pmix_v5", "cray_shasta", "none"):

@@ -120,7 +120,6 @@ def _continued(run: _Training, recovery: Recovery, cfg: TrainConfig, console: Co
             continued.continue_after_loss(lost, run)
             return continued
         except Exception as exc:
-            run.lost = True
             if not recovery.handles(exc):
                 raise
 

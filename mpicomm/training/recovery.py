@@ -64,14 +64,14 @@ def _tensors(tree, path: tuple = ()):
             yield from _tensors(value, (*path, index))
 
 
-def _replaced(tree, swap, path: tuple = ()):
-    """``tree`` with each tensor leaf ``t`` at ``path`` replaced by ``swap(path, t)``."""
-    if torch.is_tensor(tree):
+def _replaced(tree, swap, leaf=torch.is_tensor, path: tuple = ()):
+    """``tree`` with each leaf ``v`` at ``path`` (``leaf(v)``: a tensor by default) replaced by ``swap(path, v)``."""
+    if leaf(tree):
         return swap(path, tree)
     if isinstance(tree, dict):
-        return {key: _replaced(value, swap, (*path, key)) for key, value in tree.items()}
+        return {key: _replaced(value, swap, leaf, (*path, key)) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_replaced(value, swap, (*path, index)) for index, value in enumerate(tree))
+        return type(tree)(_replaced(value, swap, leaf, (*path, index)) for index, value in enumerate(tree))
     return tree
 
 
@@ -102,18 +102,8 @@ def _gather_states(world, state: dict | None) -> list[dict]:
         shared = world.bcast_object({path: mine[path] for path in alike} if world.rank == 0 else None,
                                     what="the survivors' shared state")
         mine = mine or shared
-    return [_restored(other, mine) for other in gathered]
-
-
-def _restored(tree, mine: dict, path: tuple = ()):
-    """``tree`` with every :class:`_Same` put back as this rank's own tensor at its path."""
-    if isinstance(tree, _Same):
-        return mine[path]
-    if isinstance(tree, dict):
-        return {key: _restored(value, mine, (*path, key)) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_restored(value, mine, (*path, index)) for index, value in enumerate(tree))
-    return tree
+    # every _Same put back as this rank's own tensor at its path
+    return [_replaced(other, lambda path, _: mine[path], lambda v: isinstance(v, _Same)) for other in gathered]
 
 
 @dataclass

@@ -136,10 +136,9 @@ class Run:
             self.last_saved, self.saved_step = previous.last_saved, previous.saved_step
             self.evaluated = previous.evaluated
             self.lock, previous.lock = previous.lock, RunLock(None)
+            previous.close()
         if self.cfg.out_dir and not lost.rank0_survived:  # rank 0's process held the lock and the metrics file
             self.lock = claim_out_dir(self.comm, self.cfg.out_dir, resume="latest", overwrite=False)
-        if previous is not None:
-            previous.close()
         path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
         self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=True)
         seconds = time.perf_counter() - lost.started
