@@ -241,7 +241,10 @@ def test_a_replacement_joins_and_the_run_continues_at_four_ranks(tmp_path, algor
     draw = random.Random(f"{algorithm}-replace")
     rank, step = draw.randrange(4), draw.randrange(3, 8)
     code, text, events = _kill_at_step(out, algorithm, rank, step, "--max-steps", "20", on_loss="replace")
-    assert code == 0, text[-2000:]
+    # Open MPI 5.0's MPI_Finalize can hang in a job that spawned; a rank then exits without it after 5 s
+    # (mpicomm.comm.faults.leave) and the launcher reports exit 1 with this notice: the run itself is checked below
+    finalize_skipped = code == 1 and "exited without calling \"finalize\"" in text.replace("\n", " ")
+    assert code == 0 or finalize_skipped, text[-2000:]
     lost = _lost(events, rank)
     joined = [e for e in events if e.get("event") == "rank_joined"]
     assert len(joined) == 1 and joined[0]["joined"] == [3] and joined[0]["size"] == 4, joined
