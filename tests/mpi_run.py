@@ -27,6 +27,7 @@ import pytest
 LAUNCHER_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # set for every rank by MPICH's hydra, Open MPI's mpirun
 SRUN_SIZES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")  # what srun started (only inside an srun step)
 MISMATCH_EXIT = 3
+EXIT_S = 120.0  # after the tests: how long finalizing and exiting may take before the stacks and a forced exit
 
 
 def launcher_size(environ) -> tuple[str, int] | None:
@@ -117,7 +118,39 @@ def main() -> int:
             print(f"\n===== rank {rank} failed (pytest exit {code}); its session: =====\n{log_text}", flush=True)
     if rank == 0:
         print(f"pytest exit codes by rank: {codes}", flush=True)
-    return max(codes)
+    worst = max(codes)
+    leave_within(EXIT_S, worst)
+    return worst
+
+
+def leave_within(seconds: float, code: int) -> None:
+    """Finalize MPI now, and exit with ``code`` if this process has not ended ``seconds`` later.
+
+    A run that hung after its last test (in MPI's finalize or the interpreter's shutdown) otherwise held its tier
+    until the tier's backstop limit, an hour, with nothing said. Here the stacks of every thread are printed,
+    then the process exits with the tests' code. MPI is finalized through ctypes, which releases the GIL, so the
+    exit timer can run while a finalize hangs (mpi4py's own ``Finalize`` holds the GIL).
+    """
+    import faulthandler
+    import threading
+
+    from mpicomm.comm.faults import finalize_releasing_gil
+    from mpicomm.comm.progress import stop_progress
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    faulthandler.dump_traceback_later(seconds, exit=False)
+
+    def give_up() -> None:
+        print(f"tests/mpi_run.py: this rank had not exited {seconds:.0f} s after its tests ended (the stacks "
+              f"above); exiting with the tests' code {code}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(seconds + 5, give_up)
+    timer.daemon = True
+    timer.start()
+    stop_progress()
+    finalize_releasing_gil()
 
 
 if __name__ == "__main__":

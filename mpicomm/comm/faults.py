@@ -218,11 +218,11 @@ def leave(membership: Membership | None, code: int) -> None:
     watchdog = threading.Timer(LEAVE_S, os._exit, (code,))
     watchdog.daemon = True
     watchdog.start()
-    _finalize_without_the_gil()
+    finalize_releasing_gil()
     watchdog.cancel()
 
 
-def _finalize_without_the_gil() -> None:
+def finalize_releasing_gil() -> None:
     """``MPI_Finalize`` called through ctypes, which releases the GIL: mpi4py's ``Finalize`` holds it, and a hung
     one then kept the watchdog thread of :func:`leave` from ever running. mpi4py sees MPI finalized afterwards."""
     try:

@@ -33,7 +33,7 @@ import sys
 import threading
 
 __all__ = ["DEFAULT_MODE", "MODES", "NEIGHBOR_OPS", "POLL_S", "PROGRESS_ENV", "ProgressThread", "pending",
-           "progress_mode", "request_mpich_progress"]
+           "progress_mode", "request_mpich_progress", "stop_progress"]
 
 PROGRESS_ENV = "MPICOMM_PROGRESS"
 MODES = ("none", "mpich", "gossip", "thread")
@@ -160,6 +160,13 @@ def _thread(op: str) -> ProgressThread | None:
             _THREAD = ProgressThread()
             atexit.register(_THREAD.stop)
     return _THREAD if _MODE == "thread" or op in NEIGHBOR_OPS else None
+
+
+def stop_progress() -> None:
+    """End this process's progress thread, if one runs (what its ``atexit`` handler does), before MPI is finalized
+    by other means than mpi4py's own exit handler."""
+    if _THREAD is not None:
+        _THREAD.stop()
 
 
 class pending:  # noqa: N801 - used like a function: ``token = pending()``
