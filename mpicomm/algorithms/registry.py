@@ -32,7 +32,8 @@ from .onebit.apmsqueeze import APMSqueeze
 from .onebit.lamb import OneBitLAMB
 from .onebit.zeroone_adam import ZeroOneAdam
 
-__all__ = ["ALGORITHMS", "DEFAULT_LR", "FAMILIES", "default_lr", "lr_family", "make_algorithm", "register"]
+__all__ = ["ALGORITHMS", "DEFAULT_LR", "FAMILIES", "default_lr", "lr_family", "make_algorithm", "register",
+           "sharded_methods"]
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -76,6 +77,11 @@ FAMILIES = {"adam": frozenset({"allreduce_adam", "apmsqueeze", "zeroone_adam"}),
 _BUILT_IN = frozenset(ALGORITHMS)
 
 
+def sharded_methods() -> list[str]:
+    """The registered methods that take ``shard=True``."""
+    return sorted(n for n, c in ALGORITHMS.items() if "shard" in {f.name for f in dataclasses.fields(c.config_class)})
+
+
 def lr_family(name: str, options: dict | None = None) -> str | None:
     """The step-size family (a key of :data:`DEFAULT_LR`) of algorithm ``name`` with config ``options``; None for
     an algorithm registered by the user (its config's own ``lr`` default applies)."""
@@ -116,6 +122,11 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
             cls.check_takes_optimizer()
         fields = {f.name for f in dataclasses.fields(cls.config_class)}
         unknown = sorted(set(options) - fields)
+        if {"shard", "shard_bits"} & set(unknown) and options.get("shard", True) is not False:
+            raise ValueError(f"{name} does not take shard=True: sharding splits the one optimizer state that the "
+                             f"ranks of a centralized method share; it is for {', '.join(sharded_methods())}"
+                             + (" (a decentralized method's ranks each keep their own model and state)"
+                                if not cls.centralized else ""))
         if unknown:
             raise ValueError(f"{name}: unknown option(s) {unknown}; valid options are {sorted(fields)}")
         if optimizer is None and "lr" not in options:

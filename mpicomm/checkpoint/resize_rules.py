@@ -32,7 +32,8 @@ Rules for a whole entry:
 * :func:`saved_rank0`: the saved rank 0's value (Streaming DiLoCo's outer gradient, whose in-flight
   fragments hold the same received average on every rank);
 * :func:`onebit_worker_errors` / :func:`onebit_server_errors`: the 1-bit average's error buffers
-  (:mod:`~mpicomm.algorithms.onebit.average`).
+  (:mod:`~mpicomm.algorithms.onebit.average`);
+* :func:`sharded_optimizer_state`: a sharded optimizer's state (``shard=True``), re-cut by the new ownership.
 
 Pure functions of tensors: no MPI. Memory: a rule holds the value it builds and one slice of
 :data:`SLICE_ELEMENTS` elements of one saved rank's entry at a time (averages are summed slice by slice
@@ -52,7 +53,7 @@ from .tree import LazyTensor
 
 __all__ = ["ONEBIT_RULES", "SLICE_ELEMENTS", "Resize", "agreed", "agreed_or_merged", "check_rule_paths",
            "onebit_server_errors", "onebit_worker_errors", "own_rank", "public_copies", "rebuilt_for_new_graph",
-           "replica_mean", "reshard_tree", "residual_mean", "saved_rank0"]
+           "replica_mean", "reshard_tree", "residual_mean", "saved_rank0", "sharded_optimizer_state"]
 
 SLICE_ELEMENTS = 1 << 22
 """Elements of one saved entry read and folded at a time (16 MiB of float32)."""
@@ -321,6 +322,36 @@ def onebit_server_errors(values: list, built_value, resize: Resize, path: str) -
         if a < b:
             out[a - lo:b - lo] = _rows(value, slice(a - start, b - start)).to(out.dtype)
     return out
+
+
+def sharded_optimizer_state(values: list, built_value, resize: Resize, path: str) -> dict:
+    """A sharded optimizer's state (:mod:`mpicomm.algorithms.shared.sharding`), re-cut for the new ownership.
+
+    Each saved rank's flat vectors cover its saved ``bounds``; the new rank's are assembled from the saved ranges
+    that overlap its new bounds (only those rows are read; a range no saved rank covers, a lost rank's, restarts
+    at zero). Each parameter's scalars (Adam's step) come from a saved rank that held a piece of it; the groups'
+    options must agree; the exchange's error-feedback residual is averaged and its generator is this rank's own.
+    """
+    lo, hi = (int(b) for b in _load(built_value["bounds"]).tolist())
+    flat = {}
+    for key in sorted({k for v in values for k in v["flat"]}):
+        held = [v for v in values if key in v["flat"]]
+        out = torch.zeros(hi - lo, dtype=held[0]["flat"][key].dtype)
+        for value in held:
+            start, end = (int(b) for b in _load(value["bounds"]).tolist())
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                out[a - lo:b - lo] = _rows(value["flat"][key], slice(a - start, b - start))
+        flat[key] = out
+    scalars: dict = {}
+    for value in values:
+        for param, kept in value["scalars"].items():
+            scalars.setdefault(param, {k: _load(v) for k, v in kept.items()})
+    return {"flat": flat, "scalars": scalars, "bounds": built_value["bounds"],
+            "groups": reshard_tree([v["groups"] for v in values], built_value["groups"], resize, {}, f"{path}.groups"),
+            "exchange": reshard_tree([v["exchange"] for v in values], built_value["exchange"], resize,
+                                     {f"{path}.exchange.error": residual_mean, f"{path}.exchange.codec": own_rank},
+                                     f"{path}.exchange")}
 
 
 def _displacements(sizes: list[int]) -> list[int]:

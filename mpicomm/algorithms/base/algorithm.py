@@ -96,6 +96,7 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         self.comm = comm
         self.config = config
         self.flat = FlatParameters(model)
+        self.sharding = None  # shard=True: the step on this rank's shard (:mod:`..shared.sharding`)
         self._hooks: list = []  # what this algorithm installed on the model and optimizer (removed when retired)
         self._retired = False
         self._retire_earlier_wraps()
@@ -333,7 +334,10 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         return torch.optim.SGD([self._flat_parameter()], lr=self.lr, momentum=mu)
 
     def _flat_parameter(self) -> torch.nn.Parameter:
-        """The flat buffer as one parameter whose grad is the flat grad, for a built-in torch optimizer."""
+        """The flat buffer as one parameter whose grad is the flat grad, for a built-in torch optimizer (sharded:
+        this rank's shard of it, whose grad is the reduced shard)."""
+        if self.sharding is not None:
+            return self.sharding.parameter
         param = torch.nn.Parameter(self.flat.data, requires_grad=False)
         param.grad = self.flat.grad
         return param

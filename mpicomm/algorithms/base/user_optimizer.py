@@ -34,7 +34,8 @@ class UserOptimizer:
         same equation with torch SGD. The optimizer's own weight decay (per group) replaces
         ``weight_decay``; the lr is read from ``param_groups`` at every step (group 0's is reported), so a
         ``torch.optim.lr_scheduler`` works, and :meth:`set_lr` writes one lr into every group.
-        ``state_dict()`` carries the optimizer's state; a scheduler's state is the caller's to save.
+        ``state_dict()`` carries the optimizer's state; a scheduler's state is the caller's to save. With
+        ``shard=True`` its groups are cut to this rank's shard (:mod:`~mpicomm.algorithms.shared.sharding`).
 
         A parameter without a gradient in an update is not stepped, as in torch (``.grad`` None): centralized
         methods agree on it over the ranks as DDP does, the others decide on each rank
@@ -57,6 +58,8 @@ class UserOptimizer:
                                  "optimizer= set them in your optimizer's param groups instead")
             self._check_optimizer_params(optimizer)
             self._check_user_optimizer(optimizer)
+            if self.sharding is not None and self.sharding.optimizer_refusal(optimizer):
+                raise ValueError(f"{self.name}: {self.sharding.optimizer_refusal(optimizer)}")
         except ValueError as exc:
             error = exc
         raise_together(self.comm, error)
@@ -70,6 +73,8 @@ class UserOptimizer:
         self._optimizer_params = optimizer_params(optimizer)
         self.used = UsedParameters(self)
         self.keep_hook(optimizer.register_step_pre_hook(self._refuse_outside_step))
+        if self.sharding is not None:
+            self.sharding.adopt(optimizer)
 
     def _refuse_outside_step(self, optimizer, args, kwargs) -> None:
         """The optimizer's step pre-hook: stepping it outside :meth:`step` would apply an update twice; inside,

@@ -22,6 +22,10 @@ With a user optimizer (``optimizer=opt``, e.g. ``torch.optim.AdamW`` over two pa
 averaged gradient goes to ``opt.step()`` instead of the built-in AdamW (then ``lr``, ``beta1``,
 ``beta2``, ``eps`` and ``weight_decay`` belong to ``opt``). ``clip_grad_norm_`` clips the averaged g.
 
+``shard=True`` (ZeRO-2, :mod:`~mpicomm.algorithms.shared.sharding`): m and v of this rank's 1/n shard only; the
+gradient reduce-scattered (exact: bit for bit the unsharded step; or 4/8-bit with error feedback), AdamW on the
+shard, the parameters allgathered.
+
 ``hierarchical`` (auto: on over several nodes of several ranks) sums g in two levels, as AllReduce-SGD does
 (:mod:`~mpicomm.algorithms.shared.hierarchy`): reduce-scatter inside the node, allreduce of each local
 rank's shard between nodes, allgather inside the node. Every sum is exact, so the step is the flat one up
@@ -36,6 +40,7 @@ import torch
 
 from ..base import Algorithm, AlgorithmConfig, check_range, clone_optimizer_state
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
+from ..shared.sharding import ShardConfig, Sharding
 
 __all__ = ["AdamConfig", "AllReduceAdam", "AllReduceAdamConfig"]
 
@@ -63,8 +68,8 @@ class AdamConfig(AlgorithmConfig):
 
 
 @dataclass(frozen=True)
-class AllReduceAdamConfig(AdamConfig, HierarchicalConfig):
-    """AllReduce-Adam options: Adam's and hierarchical.
+class AllReduceAdamConfig(AdamConfig, HierarchicalConfig, ShardConfig):
+    """AllReduce-Adam options: Adam's, hierarchical, shard and shard_bits (see ShardConfig).
 
     AdamConfig comes first: a dataclass takes a field's default from the last base in reverse method order that
     has the field, and HierarchicalConfig carries every algorithm's ``lr`` of 0.1, which would replace Adam's.
@@ -84,20 +89,28 @@ class AllReduceAdam(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         cfg = self.config
+        self.sharding = Sharding(self, 8) if cfg.shard else None
         self.param = self._flat_parameter()
         self.optimizer = torch.optim.AdamW(
             [self.param], lr=self.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-        self.two_level = two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
+        self.two_level = None if cfg.shard else two_level_for(cfg, comm, self.flat.numel, self.flat.grad)
 
     def _step(self, grad: torch.Tensor) -> None:
-        self._adam_step(grad)
+        if self.sharding is not None:
+            self.sharding.step(grad, self._adam_update)
+        else:
+            self._adam_step(grad)
 
     def _adam_step(self, grad: torch.Tensor, averaged: bool = False) -> None:
         """Average ``grad`` (the flat gradient, in place) over all ranks unless ``averaged``, then one AdamW step."""
         if not averaged:
             mean_over_ranks(grad, self.comm, self.two_level)
         self._clip(grad)
+        self._adam_update(grad)
+
+    def _adam_update(self, grad: torch.Tensor) -> None:
+        """One AdamW step on the averaged (and clipped) ``grad``: the whole flat one, or this rank's shard."""
         if not self.user_optimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
@@ -108,9 +121,19 @@ class AllReduceAdam(Algorithm):
         return self.optimizer.state.get(self.param, {})
 
     def _extra_state(self):
+        if self.sharding is not None:
+            return {"shard": self.sharding.state_dict(self.optimizer)}
         return {"optimizer": clone_optimizer_state(self.optimizer)}
 
+    def _resize_rules(self):
+        """Sharded: the shard's optimizer state is re-cut by the new ownership."""
+        rules = super()._resize_rules()
+        return {**rules, **Sharding.resize_rules("extra.shard")} if self.sharding is not None else rules
+
     def _load_extra_state(self, extra):
+        if self.sharding is not None:
+            self.sharding.load_state_dict(self.optimizer, extra["shard"])
+            return
         state = extra["optimizer"]
         # Load copies, so the restored buffers never alias the tensors of the caller's dictionary.
         self.optimizer.load_state_dict({

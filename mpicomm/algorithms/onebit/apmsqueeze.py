@@ -120,6 +120,8 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
                          "method; set lr, beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
+        if config is not None and config.shard:
+            raise ValueError("apmsqueeze: shard=True is not supported yet")
         super().__init__(model, comm, config)
         check_float32(self.name, self.flat.data)
         self.warmup = self.config.warmup

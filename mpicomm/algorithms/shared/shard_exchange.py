@@ -1,0 +1,154 @@
+"""The sharded exchange: each shard's gradient sum reduce-scattered to its owner, exactly or quantized blockwise
+with error feedback, and the stepped parameter shards allgathered back to every rank.
+
+Shards (:class:`ShardLayout`): with d elements on n ranks and c = 8 ceil(d / (8 n)), rank r owns the flat range
+``[min(r c, d), min((r + 1) c, d))`` -- the chunks the 1-bit average's servers own.
+
+Exact (``bits=32``), rank r::
+
+    recv[k] = g_k[shard r]                  one all-to-all of the flat fp32 gradient, chunk r to rank r
+    s_r     = sum_k recv[k]                 in recursive-doubling order (:func:`.allgather_sum.tree_sum`)
+
+That is the order of MPICH's allreduce, so ``s_r`` equals bit for bit the slice of an allreduce of the same
+gradients (any MPI at 2 ranks): sharded training equals the unsharded method bit for bit.
+
+Quantized (``bits=8`` or ``4``), ZeRO++'s qgZ in one level (Wang et al., "ZeRO++: Extremely Efficient Collective
+Communication for Giant Model Training", 2023), with error feedback as in EF-SGD (Karimireddy et al., 2019)::
+
+    v       = g_i + e_i
+    p_i[k]  = Q(v[shard k])                 QSGD blockwise: bits per element, one fp32 scale per 512
+    e_i    <- v - Q^-1(p_i)                 what this rank's payloads left out, sent at later steps
+    s_r     = sum_k Q^-1(p_k[r])            all-to-all of the payloads; decoded and summed in fp32
+
+Bytes sent per rank and step: (n - 1)/n * d * (bits + 32/512) / 8, against (n - 1)/n * 4 d exact (0.127x at 4
+bits, 0.252x at 8). ``e_i`` is a full-size fp32 buffer: the price of error feedback on all this rank sends.
+
+The parameters come back by one allgatherv of the owners' stepped fp32 shards (lossless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...codecs import QSGDCodec
+from ...comm import Communicator
+from .allgather_sum import tree_sum
+
+__all__ = ["BLOCK", "SEGMENT", "SHARD_BITS", "ShardLayout", "ShardedSum"]
+
+SHARD_BITS = (32, 8, 4)
+"""The reduce-scatter's precisions: 32 exact, 8 and 4 quantized blockwise with error feedback."""
+BLOCK = 512
+"""Elements per quantization block (one fp32 scale each), ZeRO++'s block size."""
+SEGMENT = 1 << 18
+"""Elements of each shard the exact reduce-scatter moves per all-to-all (at least a shard's 1/n)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which flat range each of ``size`` ranks owns of ``numel`` elements (chunks of ``8 ceil(numel / (8 size))``,
+    the 1-bit average's server chunks)."""
+
+    numel: int
+    size: int
+
+    @property
+    def chunk(self) -> int:
+        """c = 8 ceil(numel / (8 size)): every shard's length but the last ones'."""
+        return 8 * -(-self.numel // (8 * self.size))
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """``(lo, hi)``: the flat range rank ``rank`` owns."""
+        c = self.chunk
+        return min(rank * c, self.numel), min((rank + 1) * c, self.numel)
+
+    @property
+    def counts(self) -> list[int]:
+        """Every rank's shard length, in rank order."""
+        return [hi - lo for lo, hi in map(self.bounds, range(self.size))]
+
+
+class ShardedSum:
+    """The gradient's sum on this rank's shard (exact or quantized) and the parameter shards' allgather."""
+
+    def __init__(self, comm: Communicator, numel: int, bits: int, seed: int, like: torch.Tensor):
+        self.comm = comm
+        self.layout = ShardLayout(numel, comm.size)
+        self.lo, self.hi = self.layout.bounds(comm.rank)
+        self.bits = bits
+        n, c = comm.size, self.layout.chunk
+        # the exact path moves a segment of every shard at a time, so what lands holds about one shard, not d
+        self.segment = max(1, min(c, max(-(-c // n), SEGMENT)))
+        self.received = torch.empty(n * self.segment, dtype=like.dtype, device=like.device)
+        self._scratch: dict[int, list[torch.Tensor]] = {}  # the sums' temporaries, by length
+        self.codec = QSGDCodec(bits, BLOCK, seed=seed) if bits != 32 else None
+        self.error = torch.zeros(numel, dtype=like.dtype, device=like.device) if self.codec else None
+        if self.codec is not None:
+            self._row = max(self.codec.payload_bytes(max(k, 1)) for k in self.layout.counts)
+            self._send = torch.zeros(n * self._row, dtype=torch.uint8, device=like.device)
+            self._sent = torch.empty(c, dtype=like.dtype, device=like.device)
+
+    def extra_bytes(self) -> int:
+        """Bytes this exchange holds beyond the model's own buffers (what lands, payloads, the residual)."""
+        held = [self.received, *(t for ts in self._scratch.values() for t in ts)]
+        if self.codec is not None:
+            held += [self.error, self._send, self._sent]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def reduce_scatter(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Collective: ``out <- sum over ranks of grad[lo:hi]`` (this rank's shard), the same sum on every rank's
+        account; ``grad`` is this rank's flat gradient (kept, unless quantized: then the residual is added)."""
+        if self.codec is None:
+            return self._exact(grad, out)
+        return self._quantized(grad, out)
+
+    def _exact(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        n, seg = self.comm.size, self.segment
+        starts = [self.layout.bounds(k)[0] for k in range(n)]
+        counts = self.layout.counts
+        mine = self.hi - self.lo
+        for at in range(0, max(counts), seg):
+            part = [max(0, min(seg, c - at)) for c in counts]
+            got = self.received[:n * part[self.comm.rank]]
+            self.comm.ialltoallv(grad, part, [s + at for s in starts], got, [part[self.comm.rank]] * n).wait()
+            if at < mine:
+                rows, length = got.view(n, part[self.comm.rank]), part[self.comm.rank]
+                tree_sum(n, lambda k, buf, rows=rows: buf.copy_(rows[k]), out[at:at + length],
+                         self._scratch.setdefault(length, []))
+        return out
+
+    def _quantized(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        n, mine = self.comm.size, self.hi - self.lo
+        v = grad.add_(self.error)
+        self.error.copy_(v)
+        for k in range(n):
+            lo, hi = self.layout.bounds(k)
+            if hi == lo:
+                continue
+            row = self._send[k * self._row:k * self._row + self.codec.payload_bytes(hi - lo)]
+            row.copy_(self.codec.encode(v[lo:hi]))
+            self.error[lo:hi].sub_(self.codec.decode(row, hi - lo, out=self._sent[:hi - lo]))
+        got = self.comm.alltoall(self._send)
+        if mine == 0:
+            return out
+        size = self.codec.payload_bytes(mine)
+        return tree_sum(n, lambda k, buf: self.codec.decode(got[k * self._row:k * self._row + size], mine, out=buf),
+                        out, self._scratch.setdefault(mine, []))
+
+    def allgather(self, data: torch.Tensor) -> None:
+        """Collective: every owner's shard of ``data`` (the flat parameters, its own in place) to every rank."""
+        self.comm.allgatherv_(data, self.layout.counts)
+
+    def state_dict(self) -> dict:
+        """The error-feedback residual and the codec's generator (empty when exact)."""
+        if self.codec is None:
+            return {}
+        return {"error": self.error.clone(), "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.codec is not None:
+            self.error.copy_(state["error"])
+            self.codec.load_state_dict(state["codec"])
