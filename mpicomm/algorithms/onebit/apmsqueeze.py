@@ -24,6 +24,13 @@ warm-up's allreduce bucket by bucket (:mod:`~mpicomm.algorithms.onebit.pipelined
 step. Not with ``variant="deepspeed"``, whose one worker scale spans the whole vector (known after backward),
 nor with ``hierarchical``.
 
+``shard=True`` (:mod:`~mpicomm.algorithms.shared.sharding`): Adam's m and v (vhat after the switch) of this rank's
+1/n shard only -- the shards are the 1-bit average's server chunks, so each rank also owns its chunk's server
+error. The warm-up is sharded AllReduce-Adam; a compression step runs the same 1-bit average (m whole in its
+input buffer), steps the shard with the shard's vhat and allgathers the parameters in fp32: bit for bit the
+unsharded method (with ``denominator_floor=0``; the floor's mean is summed in another order), at the price of
+that allgather's 4 d (n - 1) / n bytes per step.
+
 ``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
 ``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
 ``docs/algorithms/apmsqueeze.md``.
@@ -46,7 +53,7 @@ from .pipelined import PipelinedOneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
-_OPS = ("allreduce", "alltoall", "allgather", "alltoallv")
+_OPS = ("allreduce", "alltoall", "allgather", "alltoallv", "allgatherv")
 _DEFAULT_FRACTION = 0.2
 VARIANTS = ("paper", "deepspeed")
 
@@ -78,6 +85,12 @@ class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig, DenominatorFloorConfi
         super().__post_init__()
         if self.variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.shard and self.variant == "deepspeed":
+            raise ValueError("apmsqueeze shards the paper variant only: variant='deepspeed' steps its own Adam on the "
+                             "whole model; use variant='paper' with shard=True")
+        if self.shard and self.shard_bits != 32:
+            raise ValueError("apmsqueeze with shard=True reduce-scatters its warm-up exactly (shard_bits=32); its "
+                             "compression phase is the 1-bit average itself")
         if self.overlap and self.variant == "deepspeed":
             raise ValueError("apmsqueeze cannot overlap with variant='deepspeed': its one worker scale spans the "
                              "whole momentum, known only after backward; use variant='paper' or overlap=False")
@@ -120,8 +133,6 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
                          "method; set lr, beta1, beta2, eps and weight_decay instead")
 
     def __init__(self, model, comm, config=None):
-        if config is not None and config.shard:
-            raise ValueError("apmsqueeze: shard=True is not supported yet")
         super().__init__(model, comm, config)
         check_float32(self.name, self.flat.data)
         self.warmup = self.config.warmup
@@ -129,6 +140,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, self.flat.data.device,
                                          one_worker_scale=self.deepspeed)
         self._frozen = False
+        self._momentum_whole = False  # sharded: whether the 1-bit input holds the whole m (see the sharded step)
         self._last_ops = dict.fromkeys(_OPS, 0)
         cfg = self.config
         self.pipelined = (PipelinedOneBitAverage(self, self.onebit, self._fill, cfg.bucket_numel,
@@ -161,7 +173,11 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         if self.pipelined is not None:
             self._first_launch = self.pipelined.finish(grad)
             before = self.pipelined.sent_before
-        if self.step_count < self.warmup:
+        if self.sharding is not None and self.step_count < self.warmup:
+            self.sharding.step(grad, self._adam_update)
+        elif self.sharding is not None:
+            self._sharded_compressed_step(grad)
+        elif self.step_count < self.warmup:
             self._adam_step(grad, averaged=self.pipelined is not None)
         else:
             self._compressed_step(grad, averaged=self.pipelined is not None)
@@ -206,7 +222,12 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         denom = state["exp_avg_sq"].sqrt_()
         if not self.deepspeed:
             denom.div_((1 - self.config.beta2**t_w) ** 0.5)
-        raise_to_floor(denom, self.config.denominator_floor)
+        mean = None
+        if self.sharding is not None:  # the floor's mean over the whole model, from every rank's shard
+            total = denom.sum(dtype=torch.float64).reshape(1)
+            self.comm.allreduce(total)
+            mean = float(total) / self.flat.numel
+        raise_to_floor(denom, self.config.denominator_floor, mean)
         denom.add_(self.config.eps)
         self._frozen = True
 
@@ -227,6 +248,30 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
             x.mul_(1 - self.lr * cfg.weight_decay)
         correction = 1.0 if self.deepspeed else 1 - cfg.beta1 ** (self.step_count + 1)
         x.addcdiv_(m, self.frozen_denominator, value=-self.lr / correction)
+
+    def _sharded_compressed_step(self, grad: torch.Tensor) -> None:
+        """The compression-phase step with ``shard=True``: the same 1-bit average on every rank, then this rank
+        steps its shard with its shard of vhat, and the parameters are allgathered.
+
+        m lives whole in the 1-bit average's input, where each average leaves its result (the next step's m); the
+        shard's ``exp_avg`` keeps a copy of its part for checkpoints. After the warm-up or a restore the input is
+        filled once by an allgather of the shards' m."""
+        if not self._frozen:
+            self._freeze()
+        cfg, sharding = self.config, self.sharding
+        lo, hi = sharding.lo, sharding.hi
+        m_shard, u = self.adam_state()["exp_avg"], self.onebit.input
+        if not self._momentum_whole:
+            u[lo:hi].copy_(m_shard)
+            sharding.exchange.allgather(u)
+            self._momentum_whole = True
+        torch.lerp(u, grad, 1 - cfg.beta1, out=u)                       # m_i
+        m_shard.copy_(self.onebit.average()[lo:hi])
+        x = self.flat.data[lo:hi]
+        if cfg.weight_decay:
+            x.mul_(1 - self.lr * cfg.weight_decay)
+        x.addcdiv_(m_shard, self.frozen_denominator, value=-self.lr / (1 - cfg.beta1 ** (self.step_count + 1)))
+        sharding.exchange.allgather(self.flat.data)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step), ``warmup_steps`` and bytes sent per collective.
@@ -256,4 +301,5 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
                              f"but the warm-up of {self.warmup} steps puts it in {self.phase!r}")
         self.onebit.load_state_dict(extra)
         super()._load_extra_state(extra)
+        self._momentum_whole = False
         self._frozen = bool(extra.get("frozen", False))  # older checkpoints kept v and a separate vhat

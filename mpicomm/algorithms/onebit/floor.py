@@ -42,13 +42,14 @@ class DenominatorFloorConfig(AlgorithmConfig):
         check_range("denominator_floor", self.denominator_floor, lo=0.0, hi=1.0)
 
 
-def raise_to_floor(denom: torch.Tensor, fraction: float) -> float:
+def raise_to_floor(denom: torch.Tensor, fraction: float, mean: float | None = None) -> float:
     """``denom`` (sqrt(v), before eps) <- max(denom, fraction * mean(denom)) in place; returns that floor.
 
     Every rank holds the same v and runs the same reduction, so every rank gets the same floor (as LAMB's
-    per-layer norms); nothing is allocated beyond a scalar."""
+    per-layer norms); nothing is allocated beyond a scalar. ``mean``: the mean over the whole model when
+    ``denom`` is one rank's shard of it (agreed by the caller)."""
     if not fraction:
         return 0.0
-    floor = fraction * float(denom.mean())
+    floor = fraction * (float(denom.mean()) if mean is None else mean)
     denom.clamp_(min=floor)
     return floor
