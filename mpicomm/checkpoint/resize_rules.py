@@ -327,27 +327,35 @@ def onebit_server_errors(values: list, built_value, resize: Resize, path: str) -
 def sharded_optimizer_state(values: list, built_value, resize: Resize, path: str) -> dict:
     """A sharded optimizer's state (:mod:`mpicomm.algorithms.shared.sharding`), re-cut for the new ownership.
 
-    Each saved rank's flat vectors cover its saved ``bounds``; the new rank's are assembled from the saved ranges
-    that overlap its new bounds (only those rows are read; a range no saved rank covers, a lost rank's, restarts
-    at zero). Each parameter's scalars (Adam's step) come from a saved rank that held a piece of it; the groups'
-    options must agree; the exchange's error-feedback residual is averaged and its generator is this rank's own.
+    Each saved rank's flat vectors (its optimizer state, and the parameter gather's residual) cover its saved
+    ``bounds``; the new rank's are assembled from the saved ranges that overlap its new bounds (only those rows are
+    read; a range no saved rank covers, a lost rank's, restarts at zero). Each parameter's scalars (Adam's step)
+    come from a saved rank that held a piece of it; the groups' options must agree; the reduce-scatter's residual
+    is averaged; the codecs' generators are this rank's own.
     """
+    bounds = [tuple(int(b) for b in _load(v["bounds"]).tolist()) for v in values]
     lo, hi = (int(b) for b in _load(built_value["bounds"]).tolist())
-    flat = {}
-    for key in sorted({k for v in values for k in v["flat"]}):
-        held = [v for v in values if key in v["flat"]]
-        out = torch.zeros(hi - lo, dtype=held[0]["flat"][key].dtype)
-        for value in held:
-            start, end = (int(b) for b in _load(value["bounds"]).tolist())
+
+    def recut(vectors: list) -> torch.Tensor:
+        """The new rank's range [lo, hi) from the saved ranks' vectors (None where a rank has none)."""
+        held = [(v, b) for v, b in zip(vectors, bounds) if v is not None]
+        out = torch.zeros(hi - lo, dtype=held[0][0].dtype)
+        for vector, (start, end) in held:
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                out[a - lo:b - lo] = _rows(value["flat"][key], slice(a - start, b - start))
-        flat[key] = out
+                out[a - lo:b - lo] = _rows(vector, slice(a - start, b - start))
+        return out
+
+    flat = {key: recut([v["flat"].get(key) for v in values]) for key in sorted({k for v in values for k in v["flat"]})}
     scalars: dict = {}
     for value in values:
         for param, kept in value["scalars"].items():
             scalars.setdefault(param, {k: _load(v) for k, v in kept.items()})
-    return {"flat": flat, "scalars": scalars, "bounds": built_value["bounds"],
+    gather = reshard_tree([v["gather"] for v in values], built_value["gather"], resize,
+                          {f"{path}.gather.error": lambda vectors, *_: recut(vectors),
+                           f"{path}.gather.codec": own_rank},
+                          f"{path}.gather")
+    return {"flat": flat, "scalars": scalars, "bounds": built_value["bounds"], "gather": gather,
             "groups": reshard_tree([v["groups"] for v in values], built_value["groups"], resize, {}, f"{path}.groups"),
             "exchange": reshard_tree([v["exchange"] for v in values], built_value["exchange"], resize,
                                      {f"{path}.exchange.error": residual_mean, f"{path}.exchange.codec": own_rank},

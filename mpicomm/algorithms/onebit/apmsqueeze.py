@@ -27,9 +27,10 @@ nor with ``hierarchical``.
 ``shard=True`` (:mod:`~mpicomm.algorithms.shared.sharding`): Adam's m and v (vhat after the switch) of this rank's
 1/n shard only -- the shards are the 1-bit average's server chunks, so each rank also owns its chunk's server
 error. The warm-up is sharded AllReduce-Adam; a compression step runs the same 1-bit average (m whole in its
-input buffer), steps the shard with the shard's vhat and allgathers the parameters in fp32: bit for bit the
-unsharded method (with ``denominator_floor=0``; the floor's mean is summed in another order), at the price of
-that allgather's 4 d (n - 1) / n bytes per step.
+input buffer), steps the shard with the shard's vhat and allgathers the parameters: in fp32 bit for bit the
+unsharded method (the floor's mean summed in another order may move a floored coordinate by an ulp), at the price
+of that allgather's 4 d (n - 1) / n bytes per step; ``gather_bits=8`` or ``4`` sends each shard's update quantized with
+error feedback instead (:mod:`~mpicomm.algorithms.shared.shard_gather`), a quarter or an eighth of that.
 
 ``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
 ``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
@@ -263,15 +264,18 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         m_shard, u = self.adam_state()["exp_avg"], self.onebit.input
         if not self._momentum_whole:
             u[lo:hi].copy_(m_shard)
-            sharding.exchange.allgather(u)
+            sharding.gather.exact(u)
             self._momentum_whole = True
         torch.lerp(u, grad, 1 - cfg.beta1, out=u)                       # m_i
         m_shard.copy_(self.onebit.average()[lo:hi])
         x = self.flat.data[lo:hi]
-        if cfg.weight_decay:
-            x.mul_(1 - self.lr * cfg.weight_decay)
-        x.addcdiv_(m_shard, self.frozen_denominator, value=-self.lr / (1 - cfg.beta1 ** (self.step_count + 1)))
-        sharding.exchange.allgather(self.flat.data)
+
+        def update() -> None:
+            if cfg.weight_decay:
+                x.mul_(1 - self.lr * cfg.weight_decay)
+            x.addcdiv_(m_shard, self.frozen_denominator, value=-self.lr / (1 - cfg.beta1 ** (self.step_count + 1)))
+
+        sharding.apply(update)
 
     def stats(self):
         """Base stats plus ``phase`` (of the next step), ``warmup_steps`` and bytes sent per collective.

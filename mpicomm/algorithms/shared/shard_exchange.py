@@ -1,5 +1,5 @@
-"""The sharded exchange: each shard's gradient sum reduce-scattered to its owner, exactly or quantized blockwise
-with error feedback, and the stepped parameter shards allgathered back to every rank.
+"""The sharded reduce-scatter: each shard's gradient sum to its owner, exact or quantized blockwise with error
+feedback (the stepped shards go back by :mod:`.shard_gather`).
 
 Shards (:class:`ShardLayout`): with d elements on n ranks and c = 8 ceil(d / (8 n)), rank r owns the flat range
 ``[min(r c, d), min((r + 1) c, d))`` -- the chunks the 1-bit average's servers own.
@@ -22,8 +22,6 @@ Communication for Giant Model Training", 2023), with error feedback as in EF-SGD
 
 Bytes sent per rank and step: (n - 1)/n * d * (bits + 32/512) / 8, against (n - 1)/n * 4 d exact (0.127x at 4
 bits, 0.252x at 8). ``e_i`` is a full-size fp32 buffer: the price of error feedback on all this rank sends.
-
-The parameters come back by one allgatherv of the owners' stepped fp32 shards (lossless).
 """
 
 from __future__ import annotations
@@ -71,7 +69,7 @@ class ShardLayout:
 
 
 class ShardedSum:
-    """The gradient's sum on this rank's shard (exact or quantized) and the parameter shards' allgather."""
+    """The gradient's sum on this rank's shard, exact or quantized."""
 
     def __init__(self, comm: Communicator, numel: int, bits: int, seed: int, like: torch.Tensor):
         self.comm = comm
@@ -89,13 +87,6 @@ class ShardedSum:
             self._row = max(self.codec.payload_bytes(max(k, 1)) for k in self.layout.counts)
             self._send = torch.zeros(n * self._row, dtype=torch.uint8, device=like.device)
             self._sent = torch.empty(c, dtype=like.dtype, device=like.device)
-
-    def extra_bytes(self) -> int:
-        """Bytes this exchange holds beyond the model's own buffers (what lands, payloads, the residual)."""
-        held = [self.received, *(t for ts in self._scratch.values() for t in ts)]
-        if self.codec is not None:
-            held += [self.error, self._send, self._sent]
-        return sum(t.numel() * t.element_size() for t in held)
 
     def reduce_scatter(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Collective: ``out <- sum over ranks of grad[lo:hi]`` (this rank's shard), the same sum on every rank's
@@ -136,10 +127,6 @@ class ShardedSum:
         size = self.codec.payload_bytes(mine)
         return tree_sum(n, lambda k, buf: self.codec.decode(got[k * self._row:k * self._row + size], mine, out=buf),
                         out, self._scratch.setdefault(mine, []))
-
-    def allgather(self, data: torch.Tensor) -> None:
-        """Collective: every owner's shard of ``data`` (the flat parameters, its own in place) to every rank."""
-        self.comm.allgatherv_(data, self.layout.counts)
 
     def state_dict(self) -> dict:
         """The error-feedback residual and the codec's generator (empty when exact)."""

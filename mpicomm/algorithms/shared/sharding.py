@@ -7,7 +7,8 @@ rank owns (:class:`~.shard_exchange.ShardLayout`, 1/n of the model), so its memo
     s_r  = (1/n) sum_k g_k[shard r]       reduce-scatter (:class:`~.shard_exchange.ShardedSum`: exact or 4/8-bit)
     s_r  = clip(s_r)                      the global norm from one allreduce of the shards' squared norms
     x[shard r] <- opt_r.step(s_r)         the local step on the shard: the built-in optimizer or the user's
-    x    = allgatherv_r x[shard r]        every rank gets every stepped shard
+    x    = allgatherv_r x[shard r]        every rank gets every stepped shard (:class:`~.shard_gather.ShardedGather`:
+                                          exact, or each shard's update quantized with error feedback)
 
 The exact exchange sums as an MPICH allreduce does, so ``shard=True`` trains bit for bit as ``shard=False``
 (allreduce_sgd and allreduce_adam; the gradient clip excepted, whose norm is summed in another order).
@@ -34,6 +35,7 @@ import torch
 from ...checkpoint.resize_rules import sharded_optimizer_state
 from ..base import AlgorithmConfig, check_bool
 from .shard_exchange import SHARD_BITS, ShardedSum
+from .shard_gather import ShardedGather
 from .user_loop import optimizer_params
 
 __all__ = ["ELEMENTWISE", "ShardConfig", "Sharding", "fit_problem"]
@@ -46,19 +48,22 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "A
 class ShardConfig(AlgorithmConfig):
     """shard: keep the optimizer state of this rank's 1/n shard only, reduce-scatter the gradient, step the shard and
     allgather the parameters (ZeRO-2). shard_bits: the reduce-scatter's precision, 32 (exact), 8 or 4 (blockwise
-    quantized with error feedback). Not with overlap or hierarchical=on."""
+    quantized with error feedback). gather_bits: the parameter allgather's, 32 (exact), 8 or 4 (each shard's update
+    quantized blockwise with error feedback). Not with overlap or hierarchical=on."""
 
     shard: bool = False
     shard_bits: int = 32
+    gather_bits: int = 32
 
     def __post_init__(self):
         super().__post_init__()
         check_bool("shard", self.shard)
-        if self.shard_bits not in SHARD_BITS:
-            raise ValueError(f"shard_bits must be one of {', '.join(map(str, SHARD_BITS))}, got {self.shard_bits!r}")
-        if self.shard_bits != 32 and not self.shard:
-            raise ValueError(f"shard_bits={self.shard_bits} sets the sharded reduce-scatter's precision: it needs "
-                             "shard=True")
+        for name, what in (("shard_bits", "reduce-scatter"), ("gather_bits", "parameter allgather")):
+            bits = getattr(self, name)
+            if bits not in SHARD_BITS:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, SHARD_BITS))}, got {bits!r}")
+            if bits != 32 and not self.shard:
+                raise ValueError(f"{name}={bits} sets the sharded {what}'s precision: it needs shard=True")
         if self.shard and getattr(self, "overlap", False):
             raise ValueError("shard=True does not run with overlap=True yet: the reduce-scatter waits for backward")
         if self.shard and getattr(self, "hierarchical", None) is True:
@@ -108,7 +113,9 @@ class Sharding:
     def __init__(self, algo, state_bytes_per_element: int):
         self.algo = algo
         flat, comm = algo.flat, algo.comm
-        self.exchange = ShardedSum(comm, flat.numel, algo.config.shard_bits, algo.config.seed + comm.rank, flat.data)
+        seed = algo.config.seed + comm.rank
+        self.exchange = ShardedSum(comm, flat.numel, algo.config.shard_bits, seed, flat.data)
+        self.gather = ShardedGather(comm, self.exchange.layout, algo.config.gather_bits, seed, flat.data)
         self.lo, self.hi = self.exchange.lo, self.exchange.hi
         self.grad = torch.zeros(self.hi - self.lo, dtype=flat.data.dtype, device=flat.data.device)
         self.parameter = torch.nn.Parameter(flat.data[self.lo:self.hi], requires_grad=False)
@@ -160,7 +167,7 @@ class Sharding:
     # ------------------------------------------------------------------ one step
     def step(self, grad: torch.Tensor, update: Callable[[torch.Tensor], None]) -> None:
         """Collective: reduce-scatter the mean of ``grad`` onto the shard, clip it, ``update(shard_grad)`` (the
-        algorithm's local step on the shard's optimizer), allgather the parameters."""
+        algorithm's local step on the shard's optimizer), gather the parameters (:meth:`apply`)."""
         algo = self.algo
         self.exchange.reduce_scatter(grad, self.grad).div_(algo.comm.size)
         if algo.max_grad_norm is not None:
@@ -175,8 +182,15 @@ class Sharding:
             unused = {str(i) for i in algo.used.release(algo.comm)}
             for piece in self.pieces:
                 piece.tensor.grad = None if piece.param in unused else self.grad[piece.lo - self.lo:piece.hi - self.lo]
-        update(self.grad)
-        self.exchange.allgather(algo.flat.data)
+        self.apply(lambda: update(self.grad))
+
+    def apply(self, update: Callable[[], None]) -> None:
+        """Collective: ``update()`` steps this rank's shard of the flat parameters, then every rank gets every
+        stepped shard (:class:`~.shard_gather.ShardedGather`: exact, or the quantized update)."""
+        data = self.algo.flat.data
+        self.gather.remember(data)
+        update()
+        self.gather.gather(data)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
@@ -198,7 +212,7 @@ class Sharding:
             scalars[piece.param] = kept
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         return {"flat": vectors, "scalars": scalars, "groups": groups, "bounds": torch.tensor([self.lo, self.hi]),
-                "exchange": self.exchange.state_dict()}
+                "exchange": self.exchange.state_dict(), "gather": self.gather.state_dict()}
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, saved: dict) -> None:
         """Restore :meth:`state_dict` (saved at this world size, or re-cut for it on a resize)."""
@@ -218,6 +232,7 @@ class Sharding:
                   for saved_group, a, b in zip(saved["groups"], starts, starts[1:])]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.exchange.load_state_dict(saved["exchange"])
+        self.gather.load_state_dict(saved["gather"])
 
     @staticmethod
     def resize_rules(path: str) -> dict:
