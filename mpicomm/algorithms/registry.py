@@ -123,10 +123,10 @@ def make_algorithm(name: str, model, comm, optimizer=None, **options) -> Algorit
         fields = {f.name for f in dataclasses.fields(cls.config_class)}
         unknown = sorted(set(options) - fields)
         if {"shard", "shard_bits"} & set(unknown) and options.get("shard", True) is not False:
-            raise ValueError(f"{name} does not take shard=True: sharding splits the one optimizer state that the "
-                             f"ranks of a centralized method share; it is for {', '.join(sharded_methods())}"
-                             + (" (a decentralized method's ranks each keep their own model and state)"
-                                if not cls.centralized else ""))
+            why = cls.shard_refusal or ("sharding splits the one optimizer state that the ranks of a centralized "
+                                        "method share" + ("" if cls.centralized else ", and a decentralized method's "
+                                                          "ranks each keep their own model and state"))
+            raise ValueError(f"{name} does not take shard=True: {why}; it is for {', '.join(sharded_methods())}")
         if unknown:
             raise ValueError(f"{name}: unknown option(s) {unknown}; valid options are {sorted(fields)}")
         if optimizer is None and "lr" not in options:

@@ -87,6 +87,8 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
     optimizer_refusal: ClassVar[str] = ("its local step is not converted to a user optimizer yet; "
                                         "it builds its own from lr, momentum and weight_decay")
     builtin_optimizer_fields: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
+    shard_refusal: ClassVar[str] = ""
+    """Why ``shard=True`` cannot apply to this method (said when it is asked for); the default explains it."""
 
     def __init__(self, model: torch.nn.Module, comm: Communicator, config: AlgorithmConfig | None = None):
         config = self.config_class() if config is None else config

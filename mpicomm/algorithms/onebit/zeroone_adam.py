@@ -80,6 +80,9 @@ class ZeroOneAdam(Algorithm):
     centralized = True
     optimizer_refusal = ("0/1 Adam's frozen variance and local steps are the method; set lr, beta1, beta2, eps "
                          "and weight_decay instead")
+    shard_refusal = ("after its variance freezes, 0/1 Adam's local steps give every rank its own model and momentum "
+                     "and divide by the whole frozen denominator at every step, so a rank's state cannot be cut to a "
+                     "shard without allgathering it at each local step, which the local steps exist to avoid")
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
