@@ -118,7 +118,8 @@ SAME_AT_ANY_COUNT=(tests/test_resume_mpi.py tests/test_loop_optimizer_mpi.py tes
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
-           tests/test_net_mpi.py tests/test_choco_sums_mpi.py tests/test_user_script_mpi.py)
+           tests/test_net_mpi.py tests/test_choco_sums_mpi.py tests/test_user_script_mpi.py
+           tests/test_sharding_onebit_mpi.py)
 # Every rank collects only the files that hold mpi-marked tests (collecting a file imports it: seconds per
 # rank), unless test files are named on the command line.
 MPI_FILES=($(grep -l 'mark\.mpi' tests/test_*.py))
