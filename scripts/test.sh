@@ -109,8 +109,8 @@ fi
 # distinct neighbours. 1 rank: neither those nor the examples (which run once, at 2 ranks). 3 ranks, an odd
 # count: the files where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven
 # chunks of the 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums,
-# unequal node layouts, the collectives and the checkpoint of an odd world, a user's script where one rank of
-# three differs (that file skips itself at 1 and 4 ranks). The decentralized methods see no
+# unequal node layouts, the collectives and the checkpoint of an odd world, uneven shards of shard=True, a user's
+# script where one rank of three differs (that file skips itself at 1 and 4 ranks). The decentralized methods see no
 # new case at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the
 # serial topology tests). Test files named on the command line replace these lists at every count.
 SAME_AT_ANY_COUNT=(tests/test_resume_mpi.py tests/test_loop_optimizer_mpi.py tests/test_device_mpi.py
