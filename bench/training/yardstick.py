@@ -7,7 +7,8 @@
 
 Each run is ``apps/train_resnet.py --dataset mnist1d --algorithm A --seed S --epochs E`` on ``--ranks`` ranks (the
 paper's 1-D CNN, 40,000 training sequences, batch 32 per rank, every other option the app's default); a method
-entry ``A+flag=value+...`` adds ``--flag value`` for each pair (``moniqua+bits=2``) and is its row's label. The
+entry ``A+flag=value+...`` adds ``--flag value`` for each pair (``moniqua+bits=2``), a bare ``+switch`` adds
+``--switch`` (``allreduce_adam+shard+shard-bits=4``), and the entry is its row's label. The
 set is the same in every run (MNIST-1D's fixed seed); ``--seed`` moves the initial weights, the shards'
 order and the methods' own draws. The table gives each row's final test accuracy of the averaged model as the
 mean ± sample standard deviation over the seeds, every seed's value, the bytes per parameter per step that
@@ -34,16 +35,16 @@ from mpicomm.algorithms import ALGORITHMS  # noqa: E402
 
 
 def method_args(entry: str) -> list[str]:
-    """The app arguments of a method entry ``A+flag=value+...``: ``--algorithm A --flag value ...``."""
+    """The app arguments of a method entry ``A+flag=value+switch+...``: ``--algorithm A --flag value --switch ...``."""
     algorithm, *pairs = entry.split("+")
     if algorithm not in ALGORITHMS:
         raise SystemExit(f"--methods: unknown algorithm {algorithm!r} in {entry!r}; choose from {sorted(ALGORITHMS)}")
     args = ["--algorithm", algorithm]
     for pair in pairs:
         flag, sep, value = pair.partition("=")
-        if not sep or not flag:
-            raise SystemExit(f"--methods: {pair!r} in {entry!r} is not flag=value")
-        args += [f"--{flag}", value]
+        if not flag or (sep and not value):
+            raise SystemExit(f"--methods: {pair!r} in {entry!r} is not flag=value or a switch")
+        args += [f"--{flag}", value] if sep else [f"--{flag}"]
     return args
 
 
