@@ -87,6 +87,8 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
     optimizer_refusal: ClassVar[str] = ("its local step is not converted to a user optimizer yet; "
                                         "it builds its own from lr, momentum and weight_decay")
     builtin_optimizer_fields: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
+    shard_levels: ClassVar[bool] = True
+    """With ``shard=True``: whether its shards may be exchanged in two levels over several nodes (``hierarchical``)."""
     shard_refusal: ClassVar[str] = ""
     """Why ``shard=True`` cannot apply to this method (said when it is asked for); the default explains it."""
 

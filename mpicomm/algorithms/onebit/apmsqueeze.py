@@ -89,6 +89,9 @@ class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig, DenominatorFloorConfi
         if self.shard and self.variant == "deepspeed":
             raise ValueError("apmsqueeze shards the paper variant only: variant='deepspeed' steps its own Adam on the "
                              "whole model; use variant='paper' with shard=True")
+        if self.shard and self.hierarchical:
+            raise ValueError("apmsqueeze with shard=True exchanges in one level: its shards are the 1-bit average's "
+                             "server chunks over all ranks; leave hierarchical at auto or off")
         if self.shard and self.shard_bits != 32:
             raise ValueError("apmsqueeze with shard=True reduce-scatters its warm-up exactly (shard_bits=32); its "
                              "compression phase is the 1-bit average itself")
@@ -130,6 +133,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
     centralized = True
     clips_average = False
     takes_optimizer = False
+    shard_levels = False  # its shards are the flat 1-bit average's server chunks
     optimizer_refusal = ("its Adam (exact during warm-up, frozen-variance 1-bit momentum after) is part of the "
                          "method; set lr, beta1, beta2, eps and weight_decay instead")
 

@@ -11,7 +11,9 @@ rank owns (:class:`~.shard_exchange.ShardLayout`, 1/n of the model), so its memo
                                           exact, or each shard's update quantized with error feedback)
 
 The exact exchange sums as an MPICH allreduce does, so ``shard=True`` trains bit for bit as ``shard=False``
-(allreduce_sgd and allreduce_adam; the gradient clip excepted, whose norm is summed in another order).
+(allreduce_sgd and allreduce_adam; the gradient clip excepted, whose norm is summed in another order). Over
+several nodes of several ranks (``hierarchical`` auto or on) it runs in two levels (:mod:`.shard_levels`), bit for
+bit the unsharded two-level exchange.
 
 The user's optimizer steps slices: ``wrap`` rewrites its parameter groups to the pieces of its parameters that
 lie in this rank's shard (1-D views of the flat buffer, their ``.grad`` views of the reduced shard). The groups'
@@ -34,8 +36,10 @@ import torch
 
 from ...checkpoint.resize_rules import sharded_optimizer_state
 from ..base import AlgorithmConfig, check_bool
+from .hierarchy import two_level_for
 from .shard_exchange import SHARD_BITS, ShardedSum
 from .shard_gather import ShardedGather
+from .shard_levels import NodeShardedGather, NodeShardedSum
 from .user_loop import optimizer_params
 
 __all__ = ["ELEMENTWISE", "ShardConfig", "Sharding", "fit_problem"]
@@ -49,7 +53,8 @@ class ShardConfig(AlgorithmConfig):
     """shard: keep the optimizer state of this rank's 1/n shard only, reduce-scatter the gradient, step the shard and
     allgather the parameters (ZeRO-2). shard_bits: the reduce-scatter's precision, 32 (exact), 8 or 4 (blockwise
     quantized with error feedback). gather_bits: the parameter allgather's, 32 (exact), 8 or 4 (each shard's update
-    quantized blockwise with error feedback). Not with overlap or hierarchical=on."""
+    quantized blockwise with error feedback). Over several nodes (``hierarchical``) the shards are exchanged in two
+    levels (:mod:`.shard_levels`). Not with overlap."""
 
     shard: bool = False
     shard_bits: int = 32
@@ -66,9 +71,6 @@ class ShardConfig(AlgorithmConfig):
                 raise ValueError(f"{name}={bits} sets the sharded {what}'s precision: it needs shard=True")
         if self.shard and getattr(self, "overlap", False):
             raise ValueError("shard=True does not run with overlap=True yet: the reduce-scatter waits for backward")
-        if self.shard and getattr(self, "hierarchical", None) is True:
-            raise ValueError("shard=True does not run with hierarchical=on: the shards are reduce-scattered in one "
-                             "level (leave hierarchical at auto or off)")
 
 
 def fit_problem(needed: int, free: int | None, where: str) -> str:
@@ -113,9 +115,14 @@ class Sharding:
     def __init__(self, algo, state_bytes_per_element: int):
         self.algo = algo
         flat, comm = algo.flat, algo.comm
-        seed = algo.config.seed + comm.rank
-        self.exchange = ShardedSum(comm, flat.numel, algo.config.shard_bits, seed, flat.data)
-        self.gather = ShardedGather(comm, self.exchange.layout, algo.config.gather_bits, seed, flat.data)
+        cfg, seed = algo.config, algo.config.seed + comm.rank
+        self.levels = two_level_for(cfg, comm, flat.numel, flat.data) if algo.shard_levels else None
+        if self.levels is None:
+            self.exchange = ShardedSum(comm, flat.numel, cfg.shard_bits, seed, flat.data)
+            self.gather = ShardedGather(comm, self.exchange.layout, cfg.gather_bits, seed, flat.data)
+        else:
+            self.exchange = NodeShardedSum(self.levels, cfg.shard_bits, seed, flat.data)
+            self.gather = NodeShardedGather(self.levels, self.exchange.layout, cfg.gather_bits, seed, flat.data)
         self.lo, self.hi = self.exchange.lo, self.exchange.hi
         self.grad = torch.zeros(self.hi - self.lo, dtype=flat.data.dtype, device=flat.data.device)
         self.parameter = torch.nn.Parameter(flat.data[self.lo:self.hi], requires_grad=False)
