@@ -333,3 +333,38 @@ def test_bad_combinations_are_one_line_on_every_rank(comm):
     assert "already holds state" in message, message
     # unsharded, the same stepped optimizer is taken: the refusal is the shard's
     make_algorithm("allreduce_sgd", model, world(), optimizer=stepped).close()
+
+
+@pytest.mark.parametrize("user", [False, True], ids=["adam", "adamw-user"])
+def test_ranks_past_a_small_model_own_empty_shards(comm, user, tmp_path_factory):
+    """An 8-element model (c = 8): rank 0 owns it all, the others empty shards. Sharded AdamW trains bit for bit
+    as unsharded, and a checkpoint resumes exactly (the empty ranks save and load no state)."""
+    root = shared_dir(comm, tmp_path_factory)
+
+    def build_small(seed=0, **shard):
+        torch.random.default_generator.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if user else None
+        return make_algorithm("allreduce_adam", model, Communicator(comm, topo.ring(comm.Get_size())),
+                              optimizer=optimizer, **({} if user else {"lr": 0.01}), **shard)
+
+    def steps(algo, count):
+        for _ in range(count):
+            algo.zero_grad()
+            x, y = batch(comm.Get_rank(), algo.step_count)
+            torch.nn.functional.cross_entropy(algo.model(x[:, :3]), y % 2).backward()
+            algo.step()
+
+    def body():
+        plain, sharded = build_small(), build_small(shard=True)
+        steps(plain, 6)
+        steps(sharded, 3)
+        assert held_state(sharded) == (16 if comm.Get_rank() == 0 else 0)
+        mpicomm.save(f"{root}/small", sharded, step=3)
+        resumed = build_small(seed=3, shard=True)
+        mpicomm.restore(f"{root}/small", resumed)
+        steps(sharded, 3)
+        steps(resumed, 3)
+        assert torch.equal(sharded.flat.data, plain.flat.data) and torch.equal(resumed.flat.data, plain.flat.data)
+
+    run_all(comm, body)
