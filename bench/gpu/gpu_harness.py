@@ -74,11 +74,13 @@ ALGORITHMS = {
     "powersgd_hier": ({"rank": 2, "warmup_steps": 1, "hierarchical": True}, False),
     "allreduce_adam": ({"lr": 1e-3}, False),
     "allreduce_adam_hier": ({"lr": 1e-3, "hierarchical": True}, False),
+    "allreduce_adam_shard": ({"lr": 1e-3, "shard": True, "shard_bits": 4, "gather_bits": 8}, True),  # QSGD rounding
     "lamb_hier": ({"lr": 1e-3, "hierarchical": True}, False),
     "zeroone_adam": ({"lr": 1e-3}, False),
     "onebit_lamb": ({"lr": 1e-3, "freeze_step": 1}, False),
     "apmsqueeze": ({"lr": 1e-3, "warmup_steps": 5}, False),
     "apmsqueeze_hier": ({"lr": 1e-3, "warmup_steps": 5, "hierarchical": True}, False),
+    "apmsqueeze_shard": ({"lr": 1e-3, "warmup_steps": 5, "shard": True}, False),
     "apmsqueeze_overlap": ({"lr": 1e-3, "warmup_steps": 5, "overlap": True, "first_bucket_numel": 4096,
                             "bucket_numel": 65536}, False),
     "diloco": ({"period": 2, "codec": "uniform", "codec_options": {"bits": 4}}, False),
@@ -108,9 +110,10 @@ def in_turns(mpi_comm, step) -> None:
 
 
 def algorithm_name(key: str) -> str:
-    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``, ``qsgd_overlap`` and
-    ``qsgd_hier`` are ``qsgd``)."""
-    return "moniqua" if key == "moniqua_1bit" else key.removesuffix("_overlap").removesuffix("_hier")
+    """The registry name behind an ``ALGORITHMS`` key (``moniqua_1bit`` is ``moniqua``, ``qsgd_overlap``,
+    ``qsgd_hier`` are ``qsgd``, ``apmsqueeze_shard`` is ``apmsqueeze``)."""
+    return ("moniqua" if key == "moniqua_1bit"
+            else key.removesuffix("_overlap").removesuffix("_hier").removesuffix("_shard"))
 
 
 def bench_codecs(x_ref: dict) -> list:
