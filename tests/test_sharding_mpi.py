@@ -22,6 +22,7 @@ from mpi4py import MPI
 import mpicomm
 from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
+from mpicomm.algorithms.shared.shard_exchange import ShardedSum
 from mpicomm.comm import Communicator
 
 from .algo_common import D_IN, D_OUT, batch, train
@@ -108,6 +109,25 @@ def test_lossless_shard_trains_bit_for_bit_as_unsharded(comm, case):
             assert [g["lr"] for g in sharded.optimizer.param_groups] == pytest.approx([base / 6] * 2, rel=1e-12)
             assert [g["weight_decay"] for g in sharded.optimizer.param_groups] == \
                 [g["weight_decay"] for g in plain_schedule.optimizer.param_groups]
+
+    run_all(comm, body)
+
+
+def test_exact_reduce_scatter_in_segments_is_the_allreduce_slice(comm):
+    """d = n 2^18 + 1001: the exact path moves each shard in segments of 2^18 elements (two all-to-alls); the
+    shard's sum is bit for bit the slice of MPI's own allreduce (mpi4py, on numpy) of the same gradients, whose
+    magnitudes span six decades so that a different order of the sum shows."""
+    def body():
+        n, r = comm.Get_size(), comm.Get_rank()
+        d = n * (1 << 18) + 1001
+        draw = torch.Generator().manual_seed(r)
+        grad = torch.randn(d, generator=draw) * 10.0 ** torch.randint(-3, 3, (d,), generator=draw)
+        exchange = ShardedSum(Communicator(comm, topo.ring(n)), d, 32, 0, grad)
+        assert (exchange.lo, exchange.hi) == bounds(d, n, r) and exchange.segment < bounds(d, n, 0)[1]
+        out = exchange.reduce_scatter(grad.clone(), torch.empty(exchange.hi - exchange.lo))
+        expected = grad.numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, expected)
+        assert torch.equal(out, torch.from_numpy(expected)[exchange.lo:exchange.hi])
 
     run_all(comm, body)
 
