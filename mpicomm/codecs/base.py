@@ -13,7 +13,7 @@ import abc
 
 import torch
 
-__all__ = ["Codec", "check_flat_float", "check_payload"]
+__all__ = ["Codec", "check_flat_float", "check_float32", "check_payload"]
 
 
 def check_flat_float(x: torch.Tensor, who: str) -> None:
@@ -26,6 +26,13 @@ def check_flat_float(x: torch.Tensor, who: str) -> None:
         raise ValueError(f"{who}: expected a 1-D (flat) tensor, got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError(f"{who}: expected a contiguous tensor; call .contiguous() first")
+
+
+def check_float32(algorithm: str, params: torch.Tensor, why: str = "its codec decodes to float32") -> None:
+    """Raise ``TypeError`` naming ``algorithm`` unless ``params`` are float32: every codec decodes to float32, so a
+    method that exchanges codec payloads needs float32 parameters (refused when built, not at the first step)."""
+    if params.dtype != torch.float32:
+        raise TypeError(f"{algorithm} needs float32 parameters ({why}), got {params.dtype}")
 
 
 def check_payload(payload: torch.Tensor, expected_bytes: int, who: str) -> None:

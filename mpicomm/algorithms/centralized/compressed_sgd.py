@@ -41,6 +41,7 @@ import torch
 
 from ...checkpoint.resize_rules import own_rank, residual_mean
 from ...codecs import CODECS, Codec, QSGDCodec, SignCodec, TernGradCodec
+from ...codecs.base import check_float32
 from ..base import Algorithm, check_range, clone_optimizer_state
 from ..shared.allgather_sum import PayloadSum
 from ..shared.buckets import LaunchedTraffic
@@ -168,6 +169,7 @@ class CompressedSGD(LaunchedTraffic, Algorithm):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
+        check_float32(self.name, self.flat.data)
         self.codec = self._make_codec(self.config.seed + self.comm.rank)
         self.two_level = two_level_for(self.config, self.comm, self.flat.numel, self.flat.grad)
         if self.two_level is None:

@@ -84,8 +84,8 @@ class ADPSGD(Algorithm):
 
     # ------------------------------------------------------------------ message format (overridden by Moniqua)
     def _setup_messages(self) -> None:
-        """The fp32 model is the message; one model-sized read buffer."""
-        self.message_bytes = 4 * self.flat.numel
+        """The model, in its dtype, is the message; one model-sized read buffer."""
+        self.message_bytes = self.flat.data.element_size() * self.flat.numel
         self.peer_model = torch.empty_like(self.flat.data)
 
     def _publish(self, steps: int) -> None:

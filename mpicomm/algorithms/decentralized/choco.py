@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import public_copies
+from ...codecs.base import check_float32
 from ..base import check_bool, check_range
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
@@ -107,6 +108,7 @@ class CHOCO(PeriodicGossip):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
+        check_float32(self.name, self.flat.data)
         codec = make_rank_codec(self.config, comm.rank)
         init = "model" if self.config.broadcast_init else "zeros"
         self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import public_copies
+from ...codecs.base import check_float32
 from ..base import Algorithm, clone_optimizer_state
 from ..shared.codec_options import CodecConfig, make_rank_codec
 from ..shared.gossip import gossip_average
@@ -67,6 +68,7 @@ class DCD(Algorithm):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         self.optimizer = self._local_sgd()
+        check_float32(self.name, self.flat.data)
         codec = make_rank_codec(self.config, comm.rank)
         init = "model" if self.config.broadcast_init else "exchange"
         self.node_gossip = node_gossip_for(self.config, comm, self.flat.numel, self.flat.data)

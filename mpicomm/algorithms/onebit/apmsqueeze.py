@@ -44,11 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import ONEBIT_RULES
+from ...codecs.base import check_float32
 from ..base import check_range
 from ..centralized.adam import AllReduceAdam, AllReduceAdamConfig
 from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
-from .average import check_float32, onebit_average_for
+from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
 from .pipelined import PipelinedOneBitAverage
 
@@ -139,7 +140,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        check_float32(self.name, self.flat.data)
+        check_float32(self.name, self.flat.data, "the sign codec decodes to float32")
         self.warmup = self.config.warmup
         self.deepspeed = self.config.variant == "deepspeed"
         self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, self.flat.data.device,

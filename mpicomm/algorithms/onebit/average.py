@@ -39,14 +39,7 @@ import torch
 from ...codecs import SignCodec
 from ..shared.hierarchy import TwoLevel
 
-__all__ = ["NodeOneBitAverage", "OneBitAverage", "check_float32", "onebit_average_for"]
-
-
-def check_float32(algorithm: str, params: torch.Tensor) -> None:
-    """Raise ``TypeError`` unless ``params`` are float32: the 1-bit average's sign codec decodes to float32."""
-    if params.dtype != torch.float32:
-        raise TypeError(f"{algorithm} needs float32 parameters (the sign codec decodes to float32), "
-                        f"got {params.dtype}")
+__all__ = ["NodeOneBitAverage", "OneBitAverage", "onebit_average_for"]
 
 
 class OneBitAverage:

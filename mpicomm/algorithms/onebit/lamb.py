@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import ONEBIT_RULES, replica_mean
+from ...codecs.base import check_float32
 from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
-from .average import check_float32, onebit_average_for
+from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
@@ -72,7 +73,7 @@ class OneBitLAMB(LAMB):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        check_float32(self.name, self.flat.data)
+        check_float32(self.name, self.flat.data, "the sign codec decodes to float32")
         x = self.flat.data
         self.v_fresh, self.m_prev, self.scaling = (torch.zeros_like(x) for _ in range(3))
         self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, x.device, one_worker_scale=True)

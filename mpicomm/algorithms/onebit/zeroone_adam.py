@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import ONEBIT_RULES, replica_mean
+from ...codecs.base import check_float32
 from ..base import Algorithm, check_bool, check_int
 from ..centralized.adam import AdamConfig
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
-from .average import check_float32, onebit_average_for
+from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
@@ -86,7 +87,7 @@ class ZeroOneAdam(Algorithm):
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
-        check_float32(self.name, self.flat.data)
+        check_float32(self.name, self.flat.data, "the sign codec decodes to float32")
         x = self.flat.data
         self.m, self.v, self.u, self.synced = (torch.zeros_like(x) for _ in range(4))
         self._denom = torch.zeros_like(x)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ...checkpoint.resize_rules import sharded_optimizer_state
+from ...codecs.base import check_float32
 from ..base import AlgorithmConfig, check_bool
 from .hierarchy import two_level_for
 from .shard_exchange import SHARD_BITS, ShardedSum
@@ -116,6 +117,9 @@ class Sharding:
         self.algo = algo
         flat, comm = algo.flat, algo.comm
         cfg, seed = algo.config, algo.config.seed + comm.rank
+        if cfg.shard_bits != 32 or cfg.gather_bits != 32:
+            check_float32(algo.name, flat.data, "shard_bits or gather_bits of 8 or 4 quantize with a codec that "
+                          "decodes to float32")
         self.levels = two_level_for(cfg, comm, flat.numel, flat.data) if algo.shard_levels else None
         if self.levels is None:
             self.exchange = ShardedSum(comm, flat.numel, cfg.shard_bits, seed, flat.data)
