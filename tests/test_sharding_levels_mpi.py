@@ -62,3 +62,16 @@ def test_four_bit_two_level_sends_one_payload_per_other_node(comm):
         assert len(set(sums)) == 1, sums
 
     run_all(comm, body)
+
+
+def test_a_quantized_two_level_shard_refuses_another_world_size(comm):
+    """Its reduce-scatter residual belongs to a node shard (averaging the saved ones would mix node shards); the
+    exact exchange keeps none and resizes."""
+    def body():
+        quantized = make_algorithm("allreduce_sgd", make_model(), _nodes(comm), hierarchical=True, shard=True,
+                                   shard_bits=4)
+        exact = make_algorithm("allreduce_sgd", make_model(), _nodes(comm), hierarchical=True, shard=True)
+        assert "cannot change world size" in quantized.resize_refusal()
+        assert exact.resize_refusal() == ""
+
+    run_all(comm, body)

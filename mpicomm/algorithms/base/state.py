@@ -79,7 +79,9 @@ class CheckpointState:
 
     def resize_refusal(self) -> str:
         """Why this method cannot continue a checkpoint of another world size (``""``: it can)."""
-        if self.resize_sharded and self._two_level_in_use():
+        sharding = getattr(self, "sharding", None)
+        node_residual = sharding is not None and sharding.levels is not None and self.config.shard_bits != 32
+        if (self.resize_sharded and self._two_level_in_use()) or node_residual:
             return (f"{self.name} with a two-level (hierarchical) exchange cannot change world size: its error "
                     "buffers or public copies are kept per node shard, whose layout changes with the size; "
                     "resume at the saved size, or with hierarchical=off on both sides")
