@@ -2,7 +2,8 @@
 # Reproduce every table, plot and figure the README and docs/ quote, in order (a few hours on 2 cores).
 #   bench/reproduce.sh                 # everything that runs on a CPU
 #   bench/reproduce.sh tta bert        # only some (the names in `all` below; `gpu` needs a GPU)
-# The scripts are grouped by what they measure: bench/transport, codecs, per_step, checkpoint, training, wallclock, gpu.
+# The scripts are grouped by what they measure: bench/transport, codecs, per_step, checkpoint, sharding, training,
+# wallclock, gpu.
 # As root with `unshare`, everything runs in a loopback-only network namespace (the shaped-network
 # validation builds its own namespaces inside it); elsewhere it runs on the normal network stack.
 # Wall-clock cases are cached in bench/results/runs/ (ignored by git); add --fresh to a bench script to
@@ -17,7 +18,7 @@ fi
 export OMP_NUM_THREADS=1
 all=(comm codecs kernel-breakdown moniqua-pull decentralized centralized moniqua moniqua-adpsgd netvalidate tta bert
      hsq scaling moniqua-theta moniqua-resnet peers peers-apps export-batchnorm step-overhead host-syncs
-     user-optimizer memory resize-memory moniqua-rss overlap local-updates gossip-overlap hierarchy defaults)
+     user-optimizer memory resize-memory sharding moniqua-rss overlap local-updates gossip-overlap hierarchy defaults)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -44,6 +45,9 @@ for name in "${chosen[@]}"; do
     user-optimizer) mpiexec -n 2 python bench/per_step/user_optimizer.py ;;
     memory) python bench/per_step/memory.py ;;
     resize-memory) python bench/checkpoint/resize_memory.py --params 50 --pairs 8:4,4:8 ;;
+    sharding) python bench/sharding/memory.py --rounds 6
+              python bench/training/yardstick.py --ranks 4 --seeds 0,1,2,3,4 --epochs 10 --name sharding_yardstick \
+                --methods allreduce_adam+lr=0.01,allreduce_adam+lr=0.01+shard,allreduce_adam+lr=0.01+shard+shard-bits=4,allreduce_adam+lr=0.01+shard+shard-bits=8 ;;
     moniqua-rss) for algorithm in dpsgd moniqua; do mpiexec -n 4 python bench/per_step/moniqua_rss.py "$algorithm"; done ;;
     overlap) python bench/wallclock/overlap.py ;;
     local-updates) python bench/wallclock/local_updates.py ;;
