@@ -129,3 +129,22 @@ def test_a_float64_model_with_quantized_shards_trains_or_is_refused_in_one_line(
     torch.nn.functional.cross_entropy(algo.model(x.double()), y).backward()
     algo.step()
     assert torch.isfinite(algo.flat.data).all()
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_the_in_place_row_sum_adds_in_the_streaming_sums_order(n):
+    """``tree_sum_rows`` (the exact reduce-scatter's, no scratch) equals ``tree_sum`` (the order checked against MPICH's
+    allreduce) bit for bit; and it differs from a plain left-to-right sum somewhere at n >= 4 (at 3 both are
+    (a0 + a1) + a2), so the order is real."""
+    from mpicomm.algorithms.shared.allgather_sum import tree_sum, tree_sum_rows
+
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randn(n, 4096, generator=g) * torch.logspace(-3, 3, n).unsqueeze(1)
+    expected = tree_sum(n, lambda r, buf: buf.copy_(rows[r]), torch.empty(4096), [])
+    got = tree_sum_rows(rows.clone(), torch.empty(4096))
+    assert torch.equal(got, expected)
+    if n >= 4:
+        left_to_right = rows[0].clone()
+        for r in range(1, n):
+            left_to_right += rows[r]
+        assert not torch.equal(got, left_to_right)

@@ -25,7 +25,7 @@ import torch
 
 from ...comm import Communicator
 
-__all__ = ["PayloadSum", "tree_sum"]
+__all__ = ["PayloadSum", "tree_sum", "tree_sum_rows"]
 
 
 def tree_sum(n: int, load: Callable[[int, torch.Tensor], None], out: torch.Tensor,
@@ -66,6 +66,31 @@ def tree_sum(n: int, load: Callable[[int, torch.Tensor], None], out: torch.Tenso
             cur, level = left, level + 1
         pending.append((level, cur))
     return out.copy_(pending[0][1])
+
+
+def tree_sum_rows(rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out <- sum_r rows[r]`` in recursive-doubling order, as :func:`tree_sum` (the same additions of the same
+    operands), but adding in place into the rows of ``rows`` (n, m), which it spends: no scratch."""
+    n = rows.shape[0]
+    if n < 1:
+        raise ValueError(f"rows must hold at least one row, got {n}")
+    p = 1 << (n.bit_length() - 1)
+    rem = n - p
+    pending: list[tuple[int, int]] = []  # (level, index of the row holding that partial sum)
+    row = 0
+    for leaf in range(p):
+        cur = row
+        row += 1
+        if leaf < rem:  # the non-power-of-two pre-step: fold row 2k+1 into row 2k
+            rows[cur].add_(rows[row])
+            row += 1
+        level = 0
+        while pending and pending[-1][0] == level:
+            _, left = pending.pop()
+            rows[left].add_(rows[cur])
+            cur, level = left, level + 1
+        pending.append((level, cur))
+    return out.copy_(rows[pending[0][1]])
 
 
 class PayloadSum:

@@ -32,7 +32,7 @@ import torch
 
 from ...codecs import QSGDCodec
 from ...comm import Communicator
-from .allgather_sum import tree_sum
+from .allgather_sum import tree_sum, tree_sum_rows
 
 __all__ = ["BLOCK", "SEGMENT", "SHARD_BITS", "ShardLayout", "ShardedSum"]
 
@@ -77,16 +77,19 @@ class ShardedSum:
         self.lo, self.hi = self.layout.bounds(comm.rank)
         self.bits = bits
         n, c = comm.size, self.layout.chunk
-        # the exact path moves a segment of every shard at a time, so what lands holds about one shard, not d
-        self.segment = max(1, min(c, max(-(-c // n), SEGMENT)))
-        self.received = torch.empty(n * self.segment, dtype=like.dtype, device=like.device)
-        self._scratch: dict[int, list[torch.Tensor]] = {}  # the sums' temporaries, by length
         self.codec = QSGDCodec(bits, BLOCK, seed=seed) if bits != 32 else None
+        # the exact path moves a segment of every shard at a time, so what lands holds about one shard, not d, and
+        # is summed in place; one rank alone has nothing to exchange
+        self.segment = max(1, min(c, max(-(-c // n), SEGMENT)))
+        exact_landing = self.codec is None and n > 1
+        self.received = torch.empty(n * self.segment if exact_landing else 0, dtype=like.dtype, device=like.device)
+        self._scratch: list[torch.Tensor] = []  # the quantized sum's temporaries
         self.error = torch.zeros(numel, dtype=like.dtype, device=like.device) if self.codec else None
         if self.codec is not None:
             self._row = max(self.codec.payload_bytes(max(k, 1)) for k in self.layout.counts)
             self._send = torch.zeros(n * self._row, dtype=torch.uint8, device=like.device)
             self._sent = torch.empty(c, dtype=like.dtype, device=like.device)
+            self._scratch.append(self._sent[:self.hi - self.lo])  # free once the payloads are encoded
 
     def reduce_scatter(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Collective: ``out <- sum over ranks of grad[lo:hi]`` (this rank's shard), the same sum on every rank's
@@ -97,17 +100,18 @@ class ShardedSum:
 
     def _exact(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         n, seg = self.comm.size, self.segment
+        if n == 1:
+            return out.copy_(grad[self.lo:self.hi])
         starts = [self.layout.bounds(k)[0] for k in range(n)]
         counts = self.layout.counts
         mine = self.hi - self.lo
         for at in range(0, max(counts), seg):
             part = [max(0, min(seg, c - at)) for c in counts]
-            got = self.received[:n * part[self.comm.rank]]
-            self.comm.ialltoallv(grad, part, [s + at for s in starts], got, [part[self.comm.rank]] * n).wait()
+            length = part[self.comm.rank]
+            got = self.received[:n * length]
+            self.comm.ialltoallv(grad, part, [s + at for s in starts], got, [length] * n).wait()
             if at < mine:
-                rows, length = got.view(n, part[self.comm.rank]), part[self.comm.rank]
-                tree_sum(n, lambda k, buf, rows=rows: buf.copy_(rows[k]), out[at:at + length],
-                         self._scratch.setdefault(length, []))
+                tree_sum_rows(got.view(n, length), out[at:at + length])
         return out
 
     def _quantized(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -126,7 +130,7 @@ class ShardedSum:
             return out
         size = self.codec.payload_bytes(mine)
         return tree_sum(n, lambda k, buf: self.codec.decode(got[k * self._row:k * self._row + size], mine, out=buf),
-                        out, self._scratch.setdefault(mine, []))
+                        out, self._scratch)
 
     def state_dict(self) -> dict:
         """The error-feedback residual and the codec's generator (empty when exact)."""

@@ -203,6 +203,26 @@ class Sharding:
         update()
         self.gather.gather(data)
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers the sharded step holds beyond the model, its gradient and the optimizer state: the
+        reduced shard, what lands, the sums' scratch, and with 8/4 bits the residuals, payloads and decode buffers."""
+        seen: dict[int, int] = {}
+
+        def walk(value) -> None:
+            if torch.is_tensor(value):
+                seen[value.data_ptr()] = max(seen.get(value.data_ptr(), 0), value.numel() * value.element_size())
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    walk(item)
+            elif isinstance(value, (ShardedSum, ShardedGather, NodeShardedSum, NodeShardedGather)):
+                for item in vars(value).values():
+                    walk(item)
+
+        walk([self.grad, self.exchange, self.gather])
+        if self.levels is not None:
+            walk(self.levels.shard)
+        return sum(seen.values())
+
     # ------------------------------------------------------------------ state
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The shard's optimizer state in flat form, the groups' options and the exchange's state."""
