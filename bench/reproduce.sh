@@ -46,7 +46,7 @@ for name in "${chosen[@]}"; do
     memory) python bench/per_step/memory.py ;;
     resize-memory) python bench/checkpoint/resize_memory.py --params 50 --pairs 8:4,4:8 ;;
     sharding) python bench/sharding/memory.py --rounds 6
-              python bench/training/yardstick.py --ranks 4 --seeds 0,1,2,3,4 --epochs 10 --name sharding_yardstick \
+              python bench/training/yardstick.py --ranks 4 --seeds 0,1,2,3,4,5,6,7,8,9 --epochs 10 --name sharding_yardstick \
                 --methods allreduce_adam+lr=0.01,allreduce_adam+lr=0.01+shard,allreduce_adam+lr=0.01+shard+shard-bits=4,allreduce_adam+lr=0.01+shard+shard-bits=8 ;;
     moniqua-rss) for algorithm in dpsgd moniqua; do mpiexec -n 4 python bench/per_step/moniqua_rss.py "$algorithm"; done ;;
     overlap) python bench/wallclock/overlap.py ;;
