@@ -13,7 +13,8 @@ to OUT.json:
 - ``step_peak_mib``: the peak while stepping only (VmHWM, reset through /proc/self/clear_refs once built, so the
   build's transient copies do not count);
 - ``step_s``: every step's seconds (zero_grad, forward, backward, step);
-- ``sent_by_op``: the Ledger's bytes sent by operation during the last step.
+- ``sent_by_op``: the Ledger's bytes sent by operation during the last step;
+- ``exchange_extra_bytes``: the sharded exchange's own buffers (:func:`exchange_bytes`).
 """
 
 import json
@@ -50,6 +51,14 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def exchange_bytes(sharding) -> int:
+    """Bytes the sharded step holds beyond the model, its gradient, the optimizer state and the reduced shard
+    (``Sharding.buffer_bytes()`` less the shard, or, in versions without it, ``ShardedSum.extra_bytes()``)."""
+    if hasattr(sharding, "buffer_bytes"):
+        return sharding.buffer_bytes() - sharding.grad.numel() * sharding.grad.element_size()
+    return sharding.exchange.extra_bytes()
 
 
 def main() -> None:
@@ -90,7 +99,7 @@ def main() -> None:
            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "step_peak_mib": status_mib("VmHWM") if reset else None, "step_s": times,
            "sent_by_op": {op: n for op, n in sent.items() if n},
-           "exchange_extra_bytes": algo.sharding.exchange.extra_bytes() if bits else 0}
+           "exchange_extra_bytes": exchange_bytes(algo.sharding) if bits else 0}
     algo.close()
     rows = world.gather(row, root=0)
     if world.rank == 0:

@@ -53,7 +53,11 @@ def main() -> None:
         if bits:
             exchange = algo.sharding.exchange
             exchange.reduce_scatter = timed(record["reduce_scatter_s"], exchange.reduce_scatter)
-            exchange.allgather = timed(record["allgather_s"], exchange.allgather)
+            gather = getattr(algo.sharding, "gather", None)  # the parameter allgather's own object, where it has one
+            if gather is not None:
+                gather.gather = timed(record["allgather_s"], gather.gather)
+            else:
+                exchange.allgather = timed(record["allgather_s"], exchange.allgather)
         runs[bits] = (model, algo, record)
     for _ in range(rounds):
         for model, algo, record in runs.values():
