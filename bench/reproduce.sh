@@ -47,7 +47,10 @@ for name in "${chosen[@]}"; do
     resize-memory) python bench/checkpoint/resize_memory.py --params 50 --pairs 8:4,4:8 ;;
     sharding) python bench/sharding/memory.py --rounds 6
               python bench/training/yardstick.py --ranks 4 --seeds 0,1,2,3,4,5,6,7,8,9 --epochs 10 --name sharding_yardstick \
-                --methods allreduce_adam+lr=0.01,allreduce_adam+lr=0.01+shard,allreduce_adam+lr=0.01+shard+shard-bits=4,allreduce_adam+lr=0.01+shard+shard-bits=8 ;;
+                --methods allreduce_adam+lr=0.01,allreduce_adam+lr=0.01+shard,allreduce_adam+lr=0.01+shard+shard-bits=4,allreduce_adam+lr=0.01+shard+shard-bits=8
+              python bench/sharding/onebit_bytes.py
+              python bench/training/bert_yardstick.py --ranks 4 --seeds 0 --steps 600 --warmup 100 --name bert_sharded \
+                --methods allreduce_adam+lr=2e-3,allreduce_adam+lr=2e-3+shard,apmsqueeze+lr=2e-3+shard,apmsqueeze+lr=2e-3+shard+gather-bits=8 ;;
     moniqua-rss) for algorithm in dpsgd moniqua; do mpiexec -n 4 python bench/per_step/moniqua_rss.py "$algorithm"; done ;;
     overlap) python bench/wallclock/overlap.py ;;
     local-updates) python bench/wallclock/local_updates.py ;;
