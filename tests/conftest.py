@@ -87,6 +87,21 @@ def comm():
     return MPI.COMM_WORLD
 
 
+@pytest.fixture(autouse=True)
+def free_communicators(request):
+    """After each test run under MPI: free the communicators mpicomm created during it (every Communicator holds a
+    graph communicator, and MPICH holds at most 2048 a process: a 4-rank tier creates more). Every rank runs the same
+    tests and creates them in the same order, so the collective frees match."""
+    if request.node.get_closest_marker("mpi") is None:
+        yield
+        return
+    from mpicomm.comm.faults import free_tracked, tracked
+
+    before = {id(raw) for raw in tracked()}
+    yield
+    free_tracked([raw for raw in tracked() if id(raw) not in before])
+
+
 def assert_all(comm, ok: bool, detail: str = "") -> None:
     """Collective assertion: every rank reaches it, and every rank fails if any rank's ``ok`` is false."""
     results = comm.allgather((bool(ok), str(detail)))

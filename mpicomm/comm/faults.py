@@ -35,8 +35,8 @@ from mpi4py import MPI
 from .guard import process_guard
 from .world import World, abort_world, raw_comm, replace_world, world
 
-__all__ = ["DETECTION_S", "ENABLE_HINT", "Membership", "RankLost", "available", "is_rank_loss", "join", "leave",
-           "track"]
+__all__ = ["DETECTION_S", "ENABLE_HINT", "Membership", "RankLost", "available", "free_tracked", "is_rank_loss", "join",
+           "leave", "track", "tracked"]
 
 ENABLE_HINT = ("to keep training on the survivors instead, set up the fault-tolerant stack once (scripts/setup_env.sh "
                "--ft) and launch with scripts/ft_run.sh -n N python ... --on-rank-loss continue")
@@ -97,6 +97,24 @@ def _known_failure(raw) -> bool:
 def track(raw) -> None:
     """Remember ``raw``, an mpi4py communicator created over the current world, so that a failure revokes it."""
     _TRACKED.append(raw)
+
+
+def tracked() -> list:
+    """The communicators mpicomm created over the current world and has not freed, in creation order (a copy)."""
+    return list(_TRACKED)
+
+
+def free_tracked(comms: list) -> None:
+    """Collective over each of ``comms`` (from :func:`tracked`, in the same order on every rank): free them and
+    forget them. MPI frees no communicator on its own, and MPICH holds at most 2048 per process: a process that
+    builds Communicators again and again (a test session) frees those it is done with."""
+    done = {id(raw) for raw in comms}
+    _TRACKED[:] = [raw for raw in _TRACKED if id(raw) not in done]
+    for raw in comms:
+        try:
+            raw.Free()
+        except MPI.Exception:
+            pass  # freed already, or revoked after a failure
 
 
 def _revoke(raw) -> None:
