@@ -26,9 +26,11 @@ TRAINABLE_DTYPES = (torch.float32, torch.float64)
 
 
 class FlatParameters:
-    """Re-home a model's trainable parameters into one contiguous buffer (``data``) and gradient (``grad``)."""
+    """Re-home a model's trainable parameters into one contiguous buffer (``data``) and gradient (``grad``).
 
-    def __init__(self, model: torch.nn.Module):
+    ``spare``: elements allocated past ``data``'s end, for collectives that move equal padded parts in place."""
+
+    def __init__(self, model: torch.nn.Module, spare: int = 0):
         everything = list(model.named_parameters())
         named = [(n, p) for n, p in everything if p.requires_grad]
         if not named:
@@ -56,7 +58,10 @@ class FlatParameters:
             offset += p.numel()
         self.numel = offset
         like = self.params[0]
-        self.data = torch.empty(offset, dtype=like.dtype, device=like.device)
+        # ``spare`` elements past the parameters (``data`` is then a view): room for a collective that moves equal,
+        # padded parts in place (the sharded parameter gather)
+        allocated = torch.empty(offset + spare, dtype=like.dtype, device=like.device)
+        self.data = allocated[:offset] if spare else allocated
         self.grad = torch.zeros(offset, dtype=like.dtype, device=like.device)
         for p, layer in zip(self.params, self.layers):
             view = self.data[layer.offset:layer.offset + layer.numel]

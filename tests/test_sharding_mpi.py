@@ -154,7 +154,8 @@ def test_optimizer_state_is_the_ranks_shard(comm, case):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_reduce_scatter_bytes_by_the_ledger(comm, bits):
     """Per step: one all-to-all of n rows of the QSGD payload of the longest shard, 4 bytes per 512-element
-    block's scale plus ``bits`` per element (c = 648, 856 and 1288 at 4, 3 and 2 ranks: two or three blocks)."""
+    block's scale plus ``bits`` per element (c = 648, 856 and 1288 at 4, 3 and 2 ranks: two or three blocks); the
+    parameters back in one allgather of n equal parts of c fp32 elements."""
     def body():
         n, r, steps = comm.Get_size(), comm.Get_rank(), 3
         sent = {}
@@ -162,7 +163,7 @@ def test_quantized_reduce_scatter_bytes_by_the_ledger(comm, bits):
             algo, _ = build(comm, "sgd", shard=True, shard_bits=shard_bits)
             run_steps(algo, None, steps)
             ledger = algo.comm.ledger
-            sent[shard_bits] = {op: ledger.bytes_sent(op) for op in ("alltoall", "alltoallv", "allgatherv")}
+            sent[shard_bits] = {op: ledger.bytes_sent(op) for op in ("alltoall", "alltoallv", "allgather")}
         d = algo.flat.numel
         lo, hi = bounds(d, n, r)
         c = bounds(d, n, 0)[1]  # the longest shard
@@ -171,7 +172,8 @@ def test_quantized_reduce_scatter_bytes_by_the_ledger(comm, bits):
         assert quantized["alltoall"] == steps * (n - 1) * row and quantized["alltoallv"] == 0, quantized
         assert exact["alltoallv"] == steps * 4 * (d - (hi - lo)) and exact["alltoall"] == 0, exact
         assert quantized["alltoall"] <= 0.3 * exact["alltoallv"]
-        assert exact["allgatherv"] == quantized["allgatherv"] == steps * (n - 1) * 4 * (hi - lo)
+        # the fp32 parameter gather: one allgather of equal padded parts, the longest shard's c each
+        assert exact["allgather"] == quantized["allgather"] == steps * (n - 1) * 4 * c
 
     run_all(comm, body)
 

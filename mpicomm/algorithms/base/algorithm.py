@@ -99,7 +99,8 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         self.model = model
         self.comm = comm
         self.config = config
-        self.flat = FlatParameters(model)
+        # shard=True gathers the parameters in equal parts of 8 ceil(d / 8n): room for the last one's padding
+        self.flat = FlatParameters(model, spare=8 * comm.size if getattr(config, "shard", False) else 0)
         self.sharding = None  # shard=True: the step on this rank's shard (:mod:`..shared.sharding`)
         self._hooks: list = []  # what this algorithm installed on the model and optimizer (removed when retired)
         self._retired = False

@@ -1,6 +1,7 @@
 """The sharded parameter allgather: every owner's stepped shard back to every rank, exact or as a quantized update.
 
-Exact (``gather_bits=32``): one allgatherv of the owners' fp32 shards, 4 d (n - 1) / n bytes sent per rank.
+Exact (``gather_bits=32``): one allgather of the owners' fp32 shards in equal padded parts (the flat buffer keeps
+8 n spare elements for the padding), 4 c (n - 1) ~ 4 d (n - 1) / n bytes sent per rank.
 
 Quantized (``gather_bits=8`` or ``4``), ZeRO++'s qwZ (Wang et al., 2023) sent as an update with error feedback, on
 the owner r of shard s (x the parameters before the step, identical on every rank; x' the owner's stepped shard)::
@@ -45,8 +46,18 @@ class ShardedGather:
             self._decoded = torch.empty(layout.chunk, dtype=like.dtype, device=like.device)
 
     def exact(self, data: torch.Tensor) -> None:
-        """Collective: every owner's shard of ``data`` (d elements, this rank's own in place) to every rank, fp32."""
-        self.comm.allgatherv_(data, self.layout.counts)
+        """Collective: every owner's shard of ``data`` (d elements, this rank's own in place) to every rank, fp32.
+
+        Where the memory after ``data`` holds the padding of the equal chunks (the flat buffer's spare elements, the
+        1-bit average's padded input; in two levels, the next node shard, which the node's gather then rewrites),
+        one ``MPI_Allgather`` of equal parts moves them: MPICH's ``MPI_Allgatherv`` stalled for seconds on large
+        vectors when ranks outnumbered free cores. Elsewhere, ``MPI_Allgatherv`` of the exact shards."""
+        padded = self.layout.chunk * self.comm.size
+        room = data.untyped_storage().nbytes() // data.element_size() - data.storage_offset()
+        if data.is_contiguous() and room >= padded:
+            self.comm.allgather_(data.as_strided((padded,), (1,)))
+        else:
+            self.comm.allgatherv_(data, self.layout.counts)
 
     def remember(self, data: torch.Tensor) -> None:
         """Before the owner's step: keep its shard of ``data`` (the update is measured from it; quantized only)."""

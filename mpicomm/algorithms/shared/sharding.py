@@ -7,7 +7,7 @@ rank owns (:class:`~.shard_exchange.ShardLayout`, 1/n of the model), so its memo
     s_r  = (1/n) sum_k g_k[shard r]       reduce-scatter (:class:`~.shard_exchange.ShardedSum`: exact or 4/8-bit)
     s_r  = clip(s_r)                      the global norm from one allreduce of the shards' squared norms
     x[shard r] <- opt_r.step(s_r)         the local step on the shard: the built-in optimizer or the user's
-    x    = allgatherv_r x[shard r]        every rank gets every stepped shard (:class:`~.shard_gather.ShardedGather`:
+    x    = allgather_r x[shard r]         every rank gets every stepped shard (:class:`~.shard_gather.ShardedGather`:
                                           exact, or each shard's update quantized with error feedback)
 
 The exact exchange sums as an MPICH allreduce does, so ``shard=True`` trains bit for bit as ``shard=False``
