@@ -115,3 +115,40 @@ def test_bad_sharded_one_bit_options_fail_on_every_rank(comm, name, options, mes
             make_algorithm(name, make_model(), _comm(comm), **{"shard": True, **options})
 
     run_all(comm, body)
+
+
+def test_sharded_apmsqueeze_resumes_at_another_size_as_the_unsharded_method(comm, tmp_path_factory):
+    """Saved in the compression phase at 2 ranks (1 in the 2-rank job), sharded and unsharded, resumed at this job's
+    size: the new ranks' m is their slice of the saved m put end to end (read with h5py), and 3 more steps keep
+    the sharded run bit for bit on the unsharded one (both re-cut their 1-bit errors by the same rules)."""
+    import mpicomm
+
+    from .h5_state import saved_states
+    from .test_sharding_mpi import _in_world, shared_dir
+
+    root, n = shared_dir(comm, tmp_path_factory), comm.Get_size()
+    old = 2 if n > 2 else 1
+    options = {"lr": 0.01, "warmup_steps": 2, "denominator_floor": 0.0}
+
+    def save(world):
+        for tag, shard in (("plain", {}), ("sharded", {"shard": True})):
+            algo = make_algorithm("apmsqueeze", make_model(seed=world.Get_rank()), _comm(world), **options, **shard)
+            train(algo, 4)
+            mpicomm.save(f"{root}/{tag}", algo, step=4)
+
+    _in_world(comm, old, save)
+
+    def body():
+        algos = {}
+        for tag, shard in (("plain", {}), ("sharded", {"shard": True})):
+            algo = make_algorithm("apmsqueeze", make_model(seed=5), _comm(comm), **options, **shard)
+            assert mpicomm.restore(f"{root}/{tag}", algo)[0] == 4
+            algos[tag] = algo
+        saved = torch.cat([s["extra"]["shard"]["flat"]["exp_avg"] for s in saved_states(f"{root}/sharded")])
+        mine = _shard(algos["sharded"].flat.numel, n, comm.Get_rank())
+        assert torch.equal(algos["sharded"].adam_state()["exp_avg"], saved[mine])
+        train(algos["plain"], 3)
+        train(algos["sharded"], 3)
+        assert torch.equal(algos["sharded"].flat.data, algos["plain"].flat.data)
+
+    run_all(comm, body)
