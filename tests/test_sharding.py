@@ -93,7 +93,8 @@ def test_fit_problem_names_the_gib_needed_and_free():
 
 
 def test_a_shard_that_does_not_fit_is_refused_when_built(monkeypatch):
-    """At one rank the shard is the whole 6-8-3 MLP: 83 elements x (4 gradient + 8 Adam) = 996 bytes needed."""
+    """At one rank the shard is the whole 6-8-3 MLP, 83 elements in a chunk of 88: 88 x (4 reduced gradient + 4 what
+    lands + 8 Adam) = 1408 bytes needed, checked before anything is allocated."""
     from mpi4py import MPI
 
     from mpicomm.comm import Communicator
@@ -105,7 +106,9 @@ def test_a_shard_that_does_not_fit_is_refused_when_built(monkeypatch):
                               lr=0.01, shard=True)
 
     build().close()
-    monkeypatch.setattr(sharding, "_free_bytes", lambda device: 995)
+    monkeypatch.setattr(sharding, "_free_bytes", lambda device: 1408)
+    build().close()
+    monkeypatch.setattr(sharding, "_free_bytes", lambda device: 1407)
     with pytest.raises(ValueError, match=r"needs 0\.00 GiB more .* only 0\.00 GiB of cpu memory is free"):
         build()
 

@@ -38,7 +38,7 @@ from ...checkpoint.resize_rules import sharded_optimizer_state
 from ...codecs.base import check_float32
 from ..base import AlgorithmConfig, check_bool
 from .hierarchy import two_level_for
-from .shard_exchange import SHARD_BITS, ShardedSum
+from .shard_exchange import SHARD_BITS, ShardedSum, ShardLayout
 from .shard_gather import ShardedGather
 from .shard_levels import NodeShardedGather, NodeShardedSum
 from .user_loop import optimizer_params
@@ -120,6 +120,13 @@ class Sharding:
         if cfg.shard_bits != 32 or cfg.gather_bits != 32:
             check_float32(algo.name, flat.data, "shard_bits or gather_bits of 8 or 4 quantize with a codec that "
                           "decodes to float32")
+        # before anything is allocated: the shard's reduced gradient, what lands and the optimizer state, plus the
+        # quantized exchange's residual over the whole vector
+        chunk, size = ShardLayout(flat.numel, comm.size).chunk, flat.data.element_size()
+        needed = chunk * (2 * size + state_bytes_per_element) + (flat.numel * size if cfg.shard_bits != 32 else 0)
+        problem = fit_problem(needed, _free_bytes(flat.data.device), str(flat.data.device))
+        if problem:
+            raise ValueError(problem)
         self.levels = two_level_for(cfg, comm, flat.numel, flat.data) if algo.shard_levels else None
         if self.levels is None:
             self.exchange = ShardedSum(comm, flat.numel, cfg.shard_bits, seed, flat.data)
@@ -132,10 +139,6 @@ class Sharding:
         self.parameter = torch.nn.Parameter(flat.data[self.lo:self.hi], requires_grad=False)
         self.parameter.grad = self.grad
         self.pieces = [_Piece(self.parameter, "flat", self.lo, self.hi)]
-        needed = self.grad.numel() * (self.grad.element_size() + state_bytes_per_element)
-        problem = fit_problem(needed, _free_bytes(flat.data.device), str(flat.data.device))
-        if problem:
-            raise ValueError(problem)
 
     # ------------------------------------------------------------------ the user's optimizer on the shard
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
