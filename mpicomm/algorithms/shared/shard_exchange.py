@@ -34,7 +34,7 @@ from ...codecs import QSGDCodec
 from ...comm import Communicator
 from .allgather_sum import tree_sum, tree_sum_rows
 
-__all__ = ["BLOCK", "SEGMENT", "SHARD_BITS", "ShardLayout", "ShardedSum"]
+__all__ = ["BLOCK", "SEGMENT", "SHARD_BITS", "ErrorFeedback", "ShardLayout", "ShardedSum"]
 
 SHARD_BITS = (32, 8, 4)
 """The reduce-scatter's precisions: 32 exact, 8 and 4 quantized blockwise with error feedback."""
@@ -68,14 +68,37 @@ class ShardLayout:
         return [hi - lo for lo, hi in map(self.bounds, range(self.size))]
 
 
-class ShardedSum:
+class ErrorFeedback:
+    """What a quantized sharded exchange keeps between steps: its codec (``None`` when exact), whose generator
+    rounds, and its error-feedback residual ``error``; and the payload row it sends, the longest shard's."""
+
+    codec: QSGDCodec | None
+    error: torch.Tensor | None
+
+    def payload_row(self, layout: ShardLayout) -> int:
+        """Bytes of one payload row: the codec's payload of the longest shard (every row has that length)."""
+        return max(self.codec.payload_bytes(max(k, 1)) for k in layout.counts)
+
+    def state_dict(self) -> dict:
+        """The error-feedback residual and the codec's generator (empty when exact)."""
+        if self.codec is None:
+            return {}
+        return {"error": self.error.clone(), "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        if self.codec is not None:
+            self.error.copy_(state["error"])
+            self.codec.load_state_dict(state["codec"])
+
+
+class ShardedSum(ErrorFeedback):
     """The gradient's sum on this rank's shard, exact or quantized."""
 
     def __init__(self, comm: Communicator, numel: int, bits: int, seed: int, like: torch.Tensor):
         self.comm = comm
         self.layout = ShardLayout(numel, comm.size)
         self.lo, self.hi = self.layout.bounds(comm.rank)
-        self.bits = bits
         n, c = comm.size, self.layout.chunk
         self.codec = QSGDCodec(bits, BLOCK, seed=seed) if bits != 32 else None
         # the exact path moves a segment of every shard at a time, so what lands holds about one shard, not d, and
@@ -86,7 +109,7 @@ class ShardedSum:
         self._scratch: list[torch.Tensor] = []  # the quantized sum's temporaries
         self.error = torch.zeros(numel, dtype=like.dtype, device=like.device) if self.codec else None
         if self.codec is not None:
-            self._row = max(self.codec.payload_bytes(max(k, 1)) for k in self.layout.counts)
+            self._row = self.payload_row(self.layout)
             self._send = torch.zeros(n * self._row, dtype=torch.uint8, device=like.device)
             self._sent = torch.empty(c, dtype=like.dtype, device=like.device)
             self._scratch.append(self._sent[:self.hi - self.lo])  # free once the payloads are encoded
@@ -131,15 +154,3 @@ class ShardedSum:
         size = self.codec.payload_bytes(mine)
         return tree_sum(n, lambda k, buf: self.codec.decode(got[k * self._row:k * self._row + size], mine, out=buf),
                         out, self._scratch)
-
-    def state_dict(self) -> dict:
-        """The error-feedback residual and the codec's generator (empty when exact)."""
-        if self.codec is None:
-            return {}
-        return {"error": self.error.clone(), "codec": self.codec.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        if self.codec is not None:
-            self.error.copy_(state["error"])
-            self.codec.load_state_dict(state["codec"])

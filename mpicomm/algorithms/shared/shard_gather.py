@@ -22,7 +22,7 @@ import torch
 
 from ...codecs import QSGDCodec
 from ...comm import Communicator
-from .shard_exchange import BLOCK, ShardLayout
+from .shard_exchange import BLOCK, ErrorFeedback, ShardLayout
 
 __all__ = ["GATHER_SEED", "ShardedGather"]
 
@@ -30,18 +30,19 @@ GATHER_SEED = 1 << 20
 """Added to a rank's seed for the update codec's rounding, apart from the reduce-scatter codec's."""
 
 
-class ShardedGather:
+class ShardedGather(ErrorFeedback):
     """Every owner's stepped shard of the flat parameters back to every rank (exact, or an 8/4-bit update)."""
 
     def __init__(self, comm: Communicator, layout: ShardLayout, bits: int, seed: int, like: torch.Tensor):
-        self.comm, self.layout, self.bits = comm, layout, bits
+        self.comm, self.layout = comm, layout
         self.lo, self.hi = layout.bounds(comm.rank)
         self.codec = QSGDCodec(bits, BLOCK, seed=seed + GATHER_SEED) if bits != 32 else None
+        self.error = None
         if self.codec is not None:
             mine = self.hi - self.lo
             self.before = torch.empty(mine, dtype=like.dtype, device=like.device)
             self.error = torch.zeros(mine, dtype=like.dtype, device=like.device)
-            self._row = max(self.codec.payload_bytes(max(k, 1)) for k in layout.counts)
+            self._row = self.payload_row(layout)
             self._send = torch.zeros(self._row, dtype=torch.uint8, device=like.device)
             self._decoded = torch.empty(layout.chunk, dtype=like.dtype, device=like.device)
 
@@ -84,15 +85,3 @@ class ShardedGather:
             if hi > lo and k != self.comm.rank:
                 data[lo:hi].add_(self.codec.decode(got[k, :self.codec.payload_bytes(hi - lo)], hi - lo,
                                                    out=self._decoded[:hi - lo]))
-
-    def state_dict(self) -> dict:
-        """The update's error-feedback residual (this shard's) and the codec's generator (empty when exact)."""
-        if self.codec is None:
-            return {}
-        return {"error": self.error.clone(), "codec": self.codec.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
-        if self.codec is not None:
-            self.error.copy_(state["error"])
-            self.codec.load_state_dict(state["codec"])
