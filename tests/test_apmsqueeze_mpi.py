@@ -354,9 +354,12 @@ def test_non_float32_model_is_refused_on_every_rank(comm):
 
 
 def test_warmup_fraction_of_total_steps(comm):
+    """A fraction of total_steps is fixed at construction; total_steps alone leaves the warm-up to the freeze
+    policy (None until it decides)."""
     def body():
         algo = make_algorithm("apmsqueeze", make_model(), _comm(comm), total_steps=40, warmup_fraction=0.25)
         default = make_algorithm("apmsqueeze", make_model(), _comm(comm), total_steps=40)
-        assert (algo.warmup, default.warmup) == (10, 8)
+        assert (algo.warmup, default.warmup) == (10, None)
+        assert (algo.phase, default.phase) == ("warmup", "warmup")
 
     run_all(comm, body)

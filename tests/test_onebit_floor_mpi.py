@@ -5,9 +5,11 @@ padding); the loss is sum_r a_r <E[r], w> with w = (1, -1, 1, -1), so row r's gr
 every rank. The even rows are used from step 1, the odd rows only from the step named in each test. The weights
 a_r of the first step that uses the odd rows are chosen so that every coordinate of the vector the 1-bit average
 compresses has magnitude exactly 1: then every compression is exact (the scale is 1, the errors are 0) and each
-step's update is known in closed form. The denominator of a row unused so far is 0, raised to the floor
-F = denominator_floor * mean over the model of sqrt(v) (default 0.01; the used half has sqrt(v) = s, the other
-half 0, so F = 0.01 * s / 2). Without the floor such a row moves by lr / eps, 1e8 times lr.
+step's update is known in closed form. The variance of a row unused so far is 0. Where v is frozen (APMSqueeze,
+1-bit LAMB), a row first used after the freeze takes the mean of its tensor's rows used before, so it steps like
+them; where it is not yet (0/1 Adam's 1-bit steps before the next variance step), its denominator is raised to
+the floor F = denominator_floor * mean over the model of sqrt(v) (default 0.01; the used half has sqrt(v) = s,
+the other half 0, so F = 0.01 * s / 2). Without either such a row moves by lr / eps, 1e8 times lr.
 """
 
 import math
@@ -86,13 +88,14 @@ def _close(got, want, what):
 
 @pytest.mark.parametrize("variant", ["paper", "deepspeed"])
 @pytest.mark.parametrize("floor", [None, 0.0])
-def test_apmsqueeze_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(comm, variant, floor):
+def test_apmsqueeze_rows_first_used_after_the_warmup_step_like_the_rows_used_in_it(comm, variant, floor):
     """Warm-up of 3 steps on the even rows, then 3 compression steps on all rows. Paper variant: Adam's
     bias-corrected m / sqrt(v) is exactly w on the used rows (each warm-up step moves them by -lr w) and the
     frozen denominator is s = 1; deepspeed: no bias correction, warm-up step t moves them by
-    -lr (1 - b1^t) / sqrt(1 - b2^t) w and s = sqrt(1 - b2^3). Compression step t: m = w exactly, so a row moves
-    by -lr / c1(t) / (s + eps) w if used, -lr / c1(t) / (F + eps) w if not (c1 = 1 - b1^t, or 1 for
-    deepspeed). ``floor=0.0``: the published method, F = 0."""
+    -lr (1 - b1^t) / sqrt(1 - b2^t) w and s = sqrt(1 - b2^3). Compression step t: m = w exactly, so a used row
+    moves by -lr / c1(t) / (s + eps) w (c1 = 1 - b1^t, or 1 for deepspeed), and so does a row first used then,
+    whose vhat is the mean of the used rows' (with the floor F = 0.01 s / 2 it moved by lr / (F + eps), 200 times
+    as far; ``floor=0.0``, the published method, by lr / eps)."""
     warmup = 3
 
     def body():
@@ -103,7 +106,6 @@ def test_apmsqueeze_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(c
         paper = variant == "paper"
         c1 = (lambda t: 1 - B1**t) if paper else (lambda t: 1.0)
         s = 1.0 if paper else math.sqrt(1 - B2**warmup)
-        big_f = (FLOOR if floor is None else floor) * s / 2
         c = 1 - B1**warmup                    # m of a used row after the warm-up, along w
         for t in range(1, warmup + 4):
             used, unused = _moved(algo, model, _weights_at(t, warmup, c))
@@ -113,7 +115,7 @@ def test_apmsqueeze_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(c
                 assert unused == 0.0
             else:
                 _close(used, -LR / c1(t) / (s + EPS), f"step {t}, a used row")
-                _close(unused, -LR / c1(t) / (big_f + EPS), f"step {t}, a row first used after the warm-up")
+                _close(unused, -LR / c1(t) / (s + EPS), f"step {t}, a row first used after the warm-up")
 
     run_all(comm, body)
 
@@ -150,12 +152,13 @@ def test_zeroone_adam_rows_first_used_on_a_compressed_step_move_by_lr_over_the_f
     run_all(comm, body)
 
 
-def test_onebit_lamb_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(comm):
+def test_onebit_lamb_rows_first_used_after_the_warmup_step_like_the_rows_used_in_it(comm):
     """LAMB warm-up of 3 steps on the even rows (v = 1 - b2^3 there, 0 on the odd rows), then 3 compression
     steps on all rows with m = w exactly (as above). The one layer's step is -lr * coeff * m / denom, the same
-    coeff = rbar f for every coordinate: a row unused in the warm-up moves (s + eps) / (F + eps) times as far
-    as a used row, s = sqrt(1 - b2^3), F = 0.01 s / 2; and, as rbar <= max_coeff = 10 and f <= factor_max = 4,
-    by at most 40 lr / (F + eps)."""
+    coeff = rbar f for every coordinate: a row unused in the warm-up gets the used rows' mean v (and fresh v)
+    when first used, so it moves exactly as far as a used row (with the floor alone, (s + eps) / (F + eps) = 200
+    times as far, s = sqrt(1 - b2^3), F = 0.01 s / 2); and, as rbar <= max_coeff = 10 and f <= factor_max = 4,
+    by at most 40 lr / (s + eps)."""
     freeze = 3
 
     def body():
@@ -163,16 +166,15 @@ def test_onebit_lamb_rows_first_used_after_the_warmup_move_by_lr_over_the_floor(
         algo = make_algorithm("onebit_lamb", model, _comm(comm), lr=LR, beta1=B1, beta2=B2, eps=EPS,
                               freeze_step=freeze)
         s = math.sqrt(1 - B2**freeze)
-        big_f = FLOOR * s / 2
         c = 1 - B1**freeze
         for t in range(1, freeze + 4):
             used, unused = _moved(algo, model, _weights_at(t, freeze, c))
             if t <= freeze:
                 assert unused == 0.0 and used < 0
                 continue
-            _close(unused / used, (s + EPS) / (big_f + EPS), f"step {t}: unused rows' move / used rows' move")
-            assert -40 * LR / (big_f + EPS) <= unused < 0, f"step {t}: a row first used after the warm-up moved " \
-                                                           f"{unused} along w"
+            _close(unused / used, 1.0, f"step {t}: unused rows' move / used rows' move")
+            assert -40 * LR / (s + EPS) <= unused < 0, f"step {t}: a row first used after the warm-up moved " \
+                                                       f"{unused} along w"
 
     run_all(comm, body)
 

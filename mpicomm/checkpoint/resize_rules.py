@@ -29,6 +29,8 @@ Rules for a whole entry:
   construction (D²'s previous step, PowerGossip's per-edge Q);
 * :func:`public_copies`: CHOCO's and DCD's public copies x̂ and their weighted sum, re-derived for the new
   graph as copies of the new replica (the saved replicas' average): consistent on every edge;
+* :func:`flags_union`: flags set on any saved rank (what a rank's own gradients reached,
+  :mod:`~mpicomm.algorithms.shared.reached`);
 * :func:`saved_rank0`: the saved rank 0's value (Streaming DiLoCo's outer gradient, whose in-flight
   fragments hold the same received average on every rank);
 * :func:`onebit_worker_errors` / :func:`onebit_server_errors`: the 1-bit average's error buffers
@@ -258,6 +260,14 @@ def saved_rank0(values: list, built_value, resize: Resize, path: str):
     return _load(values[0])
 
 
+def flags_union(values: list, built_value, resize: Resize, path: str) -> torch.Tensor:
+    """Flags set on any saved rank (a rank's own reached-flags: the replicas they describe are averaged into one)."""
+    out = _load(values[0]).clone()
+    for value in values[1:]:
+        out |= _load(value)
+    return out
+
+
 def rebuilt_for_new_graph(values: list, built_value, resize: Resize, path: str):
     """This rank's value as built at the new size (state the new graph re-derives)."""
     return built_value
@@ -431,6 +441,9 @@ def check_rule_paths(name: str, rules: dict[str, Rule], state: dict) -> None:
             node = child
             walked.append(key)
 
+
+REACHED_RULES = {"reached.local": flags_union}
+"""A rank's own reached-flags on a resize (every method that masks unreached weights): their union."""
 
 ONEBIT_RULES = {"extra.worker_error": onebit_worker_errors, "extra.server_error": onebit_server_errors}
 """The 1-bit average's errors on a resize (APMSqueeze, 0/1 Adam, 1-bit LAMB): the worker errors re-split keeping

@@ -24,7 +24,7 @@ from .handle import Handle, byte_specs, displacements
 
 __all__ = ["Collectives"]
 
-_REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+_REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
 
 
 class Collectives:
@@ -110,7 +110,7 @@ class Collectives:
 
     # ------------------------------------------------------------------ centralized collectives
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place allreduce of ``t`` (``op`` in sum/max/min); returns ``t``."""
+        """In-place allreduce of ``t`` (``op`` in sum/max/min, or bor: the bitwise or of integers); returns ``t``."""
         return self._allreduce(t, op, blocking=True)
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Handle:

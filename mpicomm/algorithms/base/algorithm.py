@@ -51,6 +51,7 @@ import torch
 from ...comm import Communicator, raise_together
 from ...errors import ScriptError
 from ...flat import FlatParameters
+from ..shared.reached import Reached
 from ..shared.user_loop import dtype_problem, optimizer_problem, sparse_problem
 from .averaged import AveragedModel
 from .config import AlgorithmConfig, check_range
@@ -91,6 +92,10 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
     """With ``shard=True``: whether its shards may be exchanged in two levels over several nodes (``hierarchical``)."""
     shard_refusal: ClassVar[str] = ""
     """Why ``shard=True`` cannot apply to this method (said when it is asked for); the default explains it."""
+    masks_unreached: ClassVar[bool] = False
+    """Whether its built-in optimizer leaves the weights no gradient has reached where they are
+    (:mod:`~mpicomm.algorithms.shared.reached`; the Adam and LAMB families, the 1-bit family, the DiLoCo family's
+    outer step)."""
 
     def __init__(self, model: torch.nn.Module, comm: Communicator, config: AlgorithmConfig | None = None):
         config = self.config_class() if config is None else config
@@ -102,6 +107,7 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         # shard=True gathers the parameters in equal parts of 8 ceil(d / 8n): room for the last one's padding
         self.flat = FlatParameters(model, spare=8 * comm.size if getattr(config, "shard", False) else 0)
         self.sharding = None  # shard=True: the step on this rank's shard (:mod:`..shared.sharding`)
+        self.reached = Reached(model, self.flat, comm) if self.masks_unreached else None
         self._hooks: list = []  # what this algorithm installed on the model and optimizer (removed when retired)
         self._retired = False
         self._retire_earlier_wraps()
@@ -312,6 +318,7 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         if self.user_optimizer:
             self.used.close()
         grad = self.flat.gather_grads()
+        held = self._hold_unreached(grad)
         self._prepare(grad)
         self._stepping = True
         try:
@@ -319,6 +326,9 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
         finally:
             self._stepping = False
             self._begun, self._begun_start = False, None
+        if held is not None:
+            held.restore()
+            self._zero_unreached(self.reached)
         if self._pending is not None:  # a subclass that started an exchange must consume it in _step
             raise RuntimeError(f"{self.name}: the exchange begin_step() started was not completed by the step")
         self.step_count += 1
@@ -328,6 +338,40 @@ class Algorithm(UserOptimizer, OverlappedExchange, AveragedModel, CheckpointStat
     @abc.abstractmethod
     def _step(self, grad: torch.Tensor) -> None:
         """One step of the algorithm on ``self.flat.data`` given the flat gradient ``grad``."""
+
+    # ------------------------------------------------------------------ weights no gradient has reached
+    def _masking(self) -> bool:
+        """Whether this update leaves unreached weights alone: a method that masks, with its built-in optimizer
+        (a user's optimizer skips a parameter whose gradient is None by itself)."""
+        return self.reached is not None and not self.user_optimizer
+
+    def _agrees_now(self) -> bool:
+        """Whether the ranks agree on what was reached at this update (collective); every update here."""
+        return True
+
+    def _hold_unreached(self, grad: torch.Tensor):
+        """Before the update: note what ``grad`` reached, agree over the ranks when :meth:`_agrees_now`, tell the
+        method what became reached (:meth:`_newly_reached`) and hold the values the update must not change
+        (:meth:`_unreached_kept`). None when nothing is held."""
+        if not self._masking() or self.reached.done:
+            return None
+        self.reached.note(grad)
+        if self._agrees_now():
+            newly = self.reached.agree()
+            if len(newly):
+                self._newly_reached(newly)
+        return self.reached.hold(*self._unreached_kept())
+
+    def _unreached_kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The tensors (laid out as the flat buffer) kept at the positions no rank has reached, and those kept where
+        this rank has not: the parameters, which every rank updates alike here."""
+        return [self.flat.data], []
+
+    def _zero_unreached(self, reached: Reached) -> None:
+        """After an update that held unreached weights: zero the method's moments there (nothing here)."""
+
+    def _newly_reached(self, index: torch.Tensor) -> None:
+        """The flat positions ``index`` were just agreed as reached (nothing here)."""
 
     def _local_sgd(self, momentum: float | None = None) -> torch.optim.SGD:
         """A ``torch.optim.SGD`` over the flat buffer (one parameter whose grad is the flat grad).

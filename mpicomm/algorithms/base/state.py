@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...checkpoint.resize_rules import Resize, check_rule_paths, replica_mean, reshard_tree
+from ...checkpoint.resize_rules import REACHED_RULES, Resize, check_rule_paths, replica_mean, reshard_tree
 
 __all__ = ["CheckpointState", "clone_optimizer_state"]
 
@@ -36,7 +36,7 @@ class CheckpointState:
         """
         self.check_model("state_dict()")
         self._refuse_in_flight("state_dict() was called")
-        return {
+        state = {
             "algorithm": self.name,
             "config": dataclasses.asdict(self.config),
             "step": self.step_count,
@@ -45,6 +45,9 @@ class CheckpointState:
             "frozen": {name: p.detach().clone() for name, p in self.flat.frozen.items()},
             "extra": self._extra_state(),
         }
+        if self.reached is not None:  # what gradients reached (:mod:`..shared.reached`)
+            state["reached"] = self.reached.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (on a freshly built algorithm of the same kind)."""
@@ -65,6 +68,8 @@ class CheckpointState:
                 self.flat.frozen[name].copy_(value)
         self.step_count = int(state["step"])
         self.lr = float(state["lr"])
+        if self.reached is not None:
+            self.reached.load_state_dict(state.get("reached"))
         self._load_extra_state(state["extra"])
 
     def _extra_state(self) -> dict[str, Any]:
@@ -99,11 +104,12 @@ class CheckpointState:
         The family's rules: none for a centralized method (everything is agreed); a consensus restart for a
         decentralized one (the replica and every per-rank floating-point entry of ``extra`` averaged); the
         DiLoCo family averages the inner model and inner optimizer. Override and extend."""
+        rules = dict(REACHED_RULES) if self.reached is not None else {}
         if self.resize_family == "decentralized":
-            return {"params": replica_mean, "extra": replica_mean}
+            return {**rules, "params": replica_mean, "extra": replica_mean}
         if self.resize_family == "outer":
-            return {"params": replica_mean, "extra.optimizer": replica_mean}
-        return {}
+            return {**rules, "params": replica_mean, "extra.optimizer": replica_mean}
+        return rules
 
     def check_resize_rules(self) -> None:
         """ValueError naming a path of :meth:`_resize_rules` that names no entry of :meth:`state_dict` (checked

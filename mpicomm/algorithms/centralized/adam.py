@@ -22,6 +22,10 @@ With a user optimizer (``optimizer=opt``, e.g. ``torch.optim.AdamW`` over two pa
 averaged gradient goes to ``opt.step()`` instead of the built-in AdamW (then ``lr``, ``beta1``,
 ``beta2``, ``eps`` and ``weight_decay`` belong to ``opt``). ``clip_grad_norm_`` clips the averaged g.
 
+A weight that no rank's gradient has reached yet (a branch never taken, an embedding row no batch used) is not
+moved, weight decay included (:mod:`~mpicomm.algorithms.shared.reached`), as torch's AdamW leaves a parameter whose
+gradient is None.
+
 ``shard=True`` (ZeRO-2, :mod:`~mpicomm.algorithms.shared.sharding`): m and v of this rank's 1/n shard only; the
 gradient reduce-scattered (exact: bit for bit the unsharded step; or 4/8-bit with error feedback), AdamW on the
 shard, the parameters allgathered.
@@ -85,6 +89,7 @@ class AllReduceAdam(Algorithm):
     clips_average = True
     takes_optimizer = True
     builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
+    masks_unreached = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -115,6 +120,14 @@ class AllReduceAdam(Algorithm):
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr
         self.optimizer.step()
+
+    def _zero_unreached(self, reached):
+        """Adam's m and v where no gradient has reached (zero already with the exact average; not with a quantized
+        reduce-scatter): whole, or this rank's shard of them."""
+        offset = self.sharding.lo if self.sharding is not None else 0
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in self.adam_state():
+                reached.zero(self.adam_state()[key], offset)
 
     def adam_state(self) -> dict[str, torch.Tensor]:
         """The live Adam buffers ``{"exp_avg": m, "exp_avg_sq": v, "step": t}`` (empty before the first step)."""

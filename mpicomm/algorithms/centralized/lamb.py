@@ -67,6 +67,7 @@ class LAMB(Algorithm):
     centralized = True
     optimizer_refusal = "its layer-wise trust ratio is the method; set lr, beta1, beta2, eps and weight_decay instead"
     builtin_optimizer_fields = ("lr", "weight_decay", "beta1", "beta2", "eps")
+    masks_unreached = True
 
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
@@ -96,6 +97,11 @@ class LAMB(Algorithm):
             self.coeff_freeze[k] = cfg.coeff_beta * self.coeff_freeze[k] + (1 - cfg.coeff_beta) * ratio
             self.last_coeffs[k] = ratio
             x[lo:hi].add_(update[lo:hi], alpha=-self.lr * ratio)
+
+    def _zero_unreached(self, reached):
+        """m and v where no gradient has reached (zero already after exact averages; not after 1-bit ones)."""
+        reached.zero(self.m)
+        reached.zero(self.v)
 
     def stats(self):
         """Base stats plus the smallest and largest per-layer coefficient of the last step."""

@@ -13,6 +13,11 @@ mu = ``outer_momentum``)::
         m <- mu m + Delta;  x_g <- x_g - eta (Delta + mu m)     (torch.optim.SGD, nesterov=True)
         x_i <- x_g
 
+A weight that no rank's gradient has reached yet (a branch never taken, an embedding row no batch used) is not
+moved by the outer step, and with the built-in inner step not by the inner steps where this rank's gradient has
+not reached it, weight decay included (:mod:`~mpicomm.algorithms.shared.reached`); the ranks agree on what was
+reached at the outer steps only.
+
 With ``codec`` set, Delta_i is compressed with error feedback: p_i = Delta_i + e_i, e_i <- p_i - C(p_i),
 Delta = (1/n) sum_r C(p_r) (payloads allgathered, summed in MPICH's allreduce order, so ``identity`` gives
 the uncompressed run bit for bit). Traffic: nothing between syncs; a sync is one allreduce of 4d bytes, or
@@ -105,6 +110,7 @@ class OuterLoop(Algorithm):
     """
 
     resize_family = "outer"
+    masks_unreached = True
 
     takes_optimizer = True
     builtin_optimizer_fields = ("lr", "momentum", "weight_decay", "inner_optimizer", "beta1", "beta2", "eps")
@@ -121,6 +127,32 @@ class OuterLoop(Algorithm):
         mu = float(getattr(self.config, "outer_momentum", 0.0))
         self.outer_optimizer = torch.optim.SGD([param], lr=self.config.outer_lr, momentum=mu,
                                                nesterov=bool(mu and getattr(self.config, "outer_nesterov", False)))
+
+    def _masking(self) -> bool:
+        """The outer step is always built in: it leaves unreached weights alone with a user's inner optimizer too."""
+        return self.reached is not None
+
+    def _agrees_now(self) -> bool:
+        """The ranks agree on what was reached at each outer step only: the inner steps exchange nothing."""
+        return (self.step_count + 1) % self.period == 0
+
+    def _unreached_kept(self):
+        """x_g where no rank has reached; with the built-in inner step, the model where this rank has not."""
+        return [self.global_params], ([] if self.user_optimizer else [self.flat.data])
+
+    def _zero_unreached(self, reached):
+        """The outer momentum where no rank has reached, the built-in inner step's state where this rank has not."""
+        start = self.global_params.storage_offset()
+        for group in self.outer_optimizer.param_groups:
+            for param in group["params"]:  # x_g, or one fragment of it
+                buffer = self.outer_optimizer.state.get(param, {}).get("momentum_buffer")
+                if buffer is not None:
+                    reached.zero(buffer, param.storage_offset() - start)
+        if not self.user_optimizer:
+            for state in self.optimizer.state.values():
+                for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+                    if state.get(key) is not None:
+                        reached.zero(state[key], which="local")
 
     @property
     def _adamw(self) -> bool:

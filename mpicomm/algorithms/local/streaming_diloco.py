@@ -172,6 +172,11 @@ class StreamingDiLoCo(OuterLoop):
         spent = self.comm.ledger.totals()["bytes_contributed"] - self._step_start["bytes_contributed"]
         self.peak_bytes, self.total_bytes = max(self.peak_bytes, spent), self.total_bytes + spent
 
+    def _agrees_now(self) -> bool:
+        """The ranks agree on what was reached when a fragment's exchange starts: what is reached later had a zero
+        pseudo-gradient in it on every rank."""
+        return any((self.step_count + 1) % self.period == offset for offset in self.offsets)
+
     def _start(self, p: int, due: int) -> _Exchange:
         """Fragment p's q_i into ``outer_grad``'s slice and its exchange started (in place there, or allgathered)."""
         a, b = self.bounds[p], self.bounds[p + 1]

@@ -11,6 +11,10 @@ step T_w + 1 on, v is frozen and, on rank i::
     m    <- OneBitAverage(m_i)                      # two-sided error-compensated 1-bit average
     x    <- x (1 - lr wd) - lr / (1 - b1^t) * m / vhat,    vhat = max(sqrt(v_Tw) / sqrt(1 - b2^T_w), F) + eps
 
+T_w: ``warmup_steps``, or ``warmup_fraction`` of ``total_steps``; given neither, decided while training
+(:mod:`~mpicomm.algorithms.onebit.freeze`): the first step past 20 % of the run at which Adam's typical
+denominator has settled, 50 % at the latest.
+
 F = denominator_floor (default 0.01) times the mean of that denominator over the model: a coordinate the
 warm-up barely saw (v ~ 0) moves by about lr / denominator_floor, not lr * scale / eps
 (:mod:`~mpicomm.algorithms.onebit.floor`); 0 is the published method.
@@ -32,6 +36,13 @@ unsharded method (the floor's mean summed in another order may move a floored co
 of that allgather's 4 d (n - 1) / n bytes per step; ``gather_bits=8`` or ``4`` sends each shard's update quantized with
 error feedback instead (:mod:`~mpicomm.algorithms.shared.shard_gather`), a quarter or an eighth of that.
 
+A weight that no rank's gradient has reached yet (a branch never taken, an embedding row no batch used) is not
+moved in either phase, weight decay included, and its m stays zero (:mod:`~mpicomm.algorithms.shared.reached`):
+the 1-bit average would otherwise give it +-(its chunk's scale) at every step. What DeepSpeed's ``exp_avg_mask``
+asks the user to list by hand. A coordinate first reached after the freeze (a rare token's row) had v = 0 then: its
+vhat becomes the mean vhat of its tensor's coordinates reached before, so it steps like them and not by
+lr * scale / (floor or eps).
+
 ``variant="deepspeed"`` reproduces DeepSpeed's ``OnebitAdam`` (one worker scale, no bias correction).
 ``optimizer=`` and ``clip_grad_norm_`` are refused. Bias correction, the variant, bytes and memory:
 ``docs/algorithms/apmsqueeze.md``.
@@ -51,12 +62,12 @@ from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
+from .freeze import FreezePolicy, typical_denominator
 from .pipelined import PipelinedOneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
 
 _OPS = ("allreduce", "alltoall", "allgather", "alltoallv", "allgatherv")
-_DEFAULT_FRACTION = 0.2
 VARIANTS = ("paper", "deepspeed")
 
 
@@ -71,8 +82,9 @@ class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig, DenominatorFloorConfi
     and the denominator's floor.
 
     warmup_steps: full-precision Adam steps before the variance is frozen. warmup_fraction: the warm-up as
-    a fraction of total_steps when warmup_steps is not given (default 0.2). total_steps: the run's length
-    (the apps fill it in).
+    a fraction of total_steps when warmup_steps is not given. total_steps: the run's length (the apps fill it
+    in); given it alone, the warm-up ends once the variance has settled, between 20 % and 50 % of the run
+    (:mod:`~mpicomm.algorithms.onebit.freeze`).
     variant: "paper" (default) or "deepspeed" (one worker scale, no bias correction; see the module
     docstring). overlap: the exchange chunk by chunk during backward (paper variant; bucket sizes: see
     OverlapConfig, boundaries moved to the 1-bit average's chunks).
@@ -107,22 +119,24 @@ class APMSqueezeConfig(AllReduceAdamConfig, OverlapConfig, DenominatorFloorConfi
                 raise ValueError("give warmup_steps or warmup_fraction, not both")
         if self.warmup_steps is None and self.total_steps is None:
             raise ValueError(
-                "apmsqueeze needs its warm-up length: give warmup_steps, or total_steps "
-                f"(the warm-up is then warmup_fraction, default {_DEFAULT_FRACTION}, of it)"
+                "apmsqueeze needs its warm-up length: give warmup_steps, or total_steps (the warm-up then ends "
+                "once the variance has settled, between 20 % and 50 % of it; or warmup_fraction of it)"
             )
-        if self.total_steps is not None and self.warmup >= self.total_steps:
+        if self.total_steps is not None and self.warmup is not None and self.warmup >= self.total_steps:
             raise ValueError(
                 f"the warm-up ({self.warmup} steps) must be shorter than total_steps ({self.total_steps}); "
                 "otherwise the compression phase never runs"
             )
 
     @property
-    def warmup(self) -> int:
-        """T_w: the number of AllReduce-Adam steps before compression starts (at least 1)."""
+    def warmup(self) -> int | None:
+        """T_w as given: the number of AllReduce-Adam steps before compression starts (at least 1); None when it is
+        decided while training (total_steps alone)."""
         if self.warmup_steps is not None:
             return self.warmup_steps
-        fraction = _DEFAULT_FRACTION if self.warmup_fraction is None else self.warmup_fraction
-        return max(1, round(fraction * self.total_steps))
+        if self.warmup_fraction is None:
+            return None
+        return max(1, round(self.warmup_fraction * self.total_steps))
 
 
 class APMSqueeze(LaunchedTraffic, AllReduceAdam):
@@ -141,7 +155,8 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
     def __init__(self, model, comm, config=None):
         super().__init__(model, comm, config)
         check_float32(self.name, self.flat.data, "the sign codec decodes to float32")
-        self.warmup = self.config.warmup
+        self.policy = FreezePolicy(self.name, self.config.warmup, self.config.total_steps)
+        self.warmup = self.config.warmup  # T_w; None until the policy decides it
         self.deepspeed = self.config.variant == "deepspeed"
         self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, self.flat.data.device,
                                          one_worker_scale=self.deepspeed)
@@ -161,7 +176,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
     @property
     def phase(self) -> str:
         """``"warmup"`` or ``"compression"``: the phase the next :meth:`step` runs in."""
-        return "warmup" if self.step_count < self.warmup else "compression"
+        return "warmup" if self.warmup is None or self.step_count < self.warmup else "compression"
 
     def _prepare(self, grad: torch.Tensor) -> None:
         """With overlap each bucket was divided by the micro-batch count at its launch: nothing here."""
@@ -179,16 +194,34 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         if self.pipelined is not None:
             self._first_launch = self.pipelined.finish(grad)
             before = self.pipelined.sent_before
-        if self.sharding is not None and self.step_count < self.warmup:
+        warming = self.phase == "warmup"
+        if self.sharding is not None and warming:
             self.sharding.step(grad, self._adam_update)
         elif self.sharding is not None:
             self._sharded_compressed_step(grad)
-        elif self.step_count < self.warmup:
+        elif warming:
             self._adam_step(grad, averaged=self.pipelined is not None)
         else:
             self._compressed_step(grad, averaged=self.pipelined is not None)
+        if warming:
+            self._decide_freeze()
         now = self.bytes_sent_by_op()
         self._last_ops = {op: now[op] - before[op] for op in _OPS}
+
+    def _decide_freeze(self) -> None:
+        """After a warm-up step: ask the policy whether the warm-up ends here (T_w is then this step)."""
+        t = self.step_count + 1
+        scale = None
+        if self.policy.needs_scale(t):
+            v = self.adam_state()["exp_avg_sq"]
+            scale = typical_denominator(v, t, self.config.beta2,
+                                        self.comm if self.sharding is not None else None, self.flat.numel)
+        if self.policy.after_step(t, scale):
+            self.warmup = t
+
+    def metrics(self):
+        """When the variance froze (None while warming up), why, and the typical denominator's last change."""
+        return self.policy.metrics()
 
     def bytes_sent_by_op(self) -> dict[str, int]:
         """Bytes sent so far by each collective this method uses (the Ledger's, per operation)."""
@@ -255,6 +288,29 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         correction = 1.0 if self.deepspeed else 1 - cfg.beta1 ** (self.step_count + 1)
         x.addcdiv_(m, self.frozen_denominator, value=-self.lr / correction)
 
+    def _zero_unreached(self, reached):
+        """Warm-up: Adam's m and v where no gradient has reached. Compression: m only (v is the frozen denominator),
+        which the 1-bit average fills with +-(its chunk's scale) everywhere, and the whole m a sharded step keeps in
+        the 1-bit input."""
+        if not self._frozen:
+            super()._zero_unreached(reached)
+            return
+        offset = self.sharding.lo if self.sharding is not None else 0
+        reached.zero(self.adam_state()["exp_avg"], offset)
+        if self._momentum_whole:
+            reached.zero(self.onebit.input[:self.flat.numel])
+
+    def _newly_reached(self, index):
+        """In the compression phase, a coordinate first reached now has no variance of its own (v was 0 at the
+        freeze): its vhat becomes the mean vhat of its tensor's coordinates reached before, not the floor."""
+        if self.phase != "compression":
+            return
+        if not self._frozen:
+            self._freeze()
+        offset = self.sharding.lo if self.sharding is not None else 0
+        self.reached.fill_with_tensor_means(self.frozen_denominator, index, self.reached.before, offset,
+                                            self.comm if self.sharding is not None else None)
+
     def _sharded_compressed_step(self, grad: torch.Tensor) -> None:
         """The compression-phase step with ``shard=True``: the same 1-bit average on every rank, then this rank
         steps its shard with its shard of vhat, and the parameters are allgathered.
@@ -297,7 +353,7 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
 
     def _extra_state(self):
         out = super()._extra_state()
-        out.update(phase=self.phase, frozen=self._frozen, **self.onebit.state_dict())
+        out.update(phase=self.phase, frozen=self._frozen, freeze=self.policy.state_dict(), **self.onebit.state_dict())
         return out
 
     def _resize_rules(self):
@@ -305,6 +361,9 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
         return {**super()._resize_rules(), **ONEBIT_RULES}
 
     def _load_extra_state(self, extra):
+        self.policy.load_state_dict(extra.get("freeze"), self.step_count, extra["phase"] == "compression")
+        if self.policy.frozen_at is not None:
+            self.warmup = self.policy.frozen_at
         if extra["phase"] != self.phase:
             raise ValueError(f"state says phase {extra['phase']!r} at step {self.step_count}, "
                              f"but the warm-up of {self.warmup} steps puts it in {self.phase!r}")

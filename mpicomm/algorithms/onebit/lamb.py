@@ -3,7 +3,10 @@
 Li, Awan, Tang, Zhang, Zhang, He. "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training
 with LAMB's Convergence Speed", HiPC 2022 (arXiv:2104.06069), in the form of DeepSpeed's ``OnebitLamb``.
 
-``lamb`` (:mod:`..centralized.lamb`, the same code) for t <= freeze_step, v_fresh = v at t = freeze_step;
+``lamb`` (:mod:`..centralized.lamb`, the same code) for t <= freeze_step, v_fresh = v at t = freeze_step
+(``freeze_step`` as given; with ``total_steps`` alone, decided while training: the first step past 20 % of the
+run at which the variance has settled, 50 % at the latest, :mod:`~mpicomm.algorithms.onebit.freeze`; with
+neither, DeepSpeed's 100,000);
 then v is frozen and, on rank i (the error-compensated 1-bit average of :mod:`.average`)::
 
     s_l = mean_k(rms(m_k)) / rms(m_l)          once, at the first compression step
@@ -15,7 +18,9 @@ then v is frozen and, on rank i (the error-compensated 1-bit average of :mod:`.a
 F = denominator_floor (default 0.01) times the mean of the frozen sqrt(v) over the model: a coordinate the
 warm-up barely saw (v ~ 0), whose 1-bit momentum is never zero, moves by about lr rbar_l f_l / denominator_floor
 and not by that times scale / eps; floored in both denominators, it cannot raise f_l
-(:mod:`~mpicomm.algorithms.onebit.floor`). 0 is the published method.
+(:mod:`~mpicomm.algorithms.onebit.floor`). 0 is the published method. A weight no gradient has reached is not
+moved and its moments stay zero (:mod:`~mpicomm.algorithms.shared.reached`); one first reached after the freeze
+gets the mean v of its tensor's coordinates reached before, instead of the floor.
 
 Per step: one fp32 allreduce while warming up, then one 1-bit average. ``hierarchical`` (auto: on over
 several nodes of several ranks): the allreduce in two exact levels, the 1-bit average between nodes of each
@@ -35,6 +40,7 @@ from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
+from .freeze import FreezePolicy, typical_denominator
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
 
@@ -44,19 +50,29 @@ class OneBitLAMBConfig(LAMBTwoLevelConfig, DenominatorFloorConfig):
     """LAMB options plus the warm-up length, the factor clip of the compression stage, hierarchical and the
     denominator's floor.
 
-    freeze_step: LAMB steps before the variance freezes and compression starts, >= 1. factor_min: the
+    freeze_step: LAMB steps before the variance freezes and compression starts, >= 1 (None: decided while
+    training when total_steps is given, else DeepSpeed's 100,000). total_steps: the run's length (the apps fill it
+    in). factor_min: the
     smallest scaling factor f_l of the frozen ratio. factor_max: the largest, >= factor_min.
     factor_threshold: the most f_l may change from one step to the next, relatively (>= 0).
     """
 
-    freeze_step: int = 100_000
+    freeze_step: int | None = None
+    total_steps: int | None = None
     factor_max: float = 4.0
     factor_min: float = 0.5
     factor_threshold: float = 0.1
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("freeze_step", self.freeze_step, 1)
+        if self.freeze_step is not None:
+            check_int("freeze_step", self.freeze_step, 1)
+        if self.total_steps is not None:
+            check_int("total_steps", self.total_steps, 1)
+            if self.freeze_step is not None and self.freeze_step >= self.total_steps:
+                raise ValueError(f"onebit_lamb: freeze_step ({self.freeze_step}) must be below total_steps "
+                                 f"({self.total_steps}), or the run never compresses; leave freeze_step unset to "
+                                 "freeze once the variance has settled")
         check_range("factor_min", self.factor_min, lo=0.0, lo_open=True)
         check_range("factor_max", self.factor_max, lo=self.factor_min)
         check_range("factor_threshold", self.factor_threshold, lo=0.0)
@@ -79,16 +95,23 @@ class OneBitLAMB(LAMB):
         self.onebit = onebit_average_for(self.two_level, self.comm, self.flat.numel, x.device, one_worker_scale=True)
         self.last_factor = torch.ones(len(self.layers), dtype=torch.float64)
         self._scaled = False
+        cfg = self.config
+        fixed = cfg.freeze_step if cfg.freeze_step is not None or cfg.total_steps is not None else 100_000
+        self.policy = FreezePolicy(self.name, fixed, cfg.total_steps)
+        self.freeze_step = fixed  # None until the policy decides it
 
     @property
     def phase(self) -> str:
         """``"warmup"`` or ``"compression"``: the phase the next :meth:`step` runs in."""
-        return "warmup" if self.step_count < self.config.freeze_step else "compression"
+        return "warmup" if self.freeze_step is None or self.step_count < self.freeze_step else "compression"
 
     def _step(self, grad: torch.Tensor) -> None:
         if self.phase == "warmup":
             self._lamb_step(grad)
-            if self.step_count + 1 == self.config.freeze_step:
+            t = self.step_count + 1
+            scale = typical_denominator(self.v, t, self.config.beta2) if self.policy.needs_scale(t) else None
+            if self.policy.after_step(t, scale):
+                self.freeze_step = t
                 self.v_fresh.copy_(self.v)
         else:
             self._compressed_step(grad)
@@ -132,13 +155,31 @@ class OneBitLAMB(LAMB):
             self.last_coeffs[k] = coeff
             x[lo:hi].add_(update, alpha=-self.lr * coeff)
 
+    def _newly_reached(self, index):
+        """In the compression phase, a coordinate first reached now had v = 0 at the freeze: its v and fresh v
+        become the mean of its tensor's coordinates reached before, not the floor's."""
+        if self.phase != "compression":
+            return
+        for values in (self.v, self.v_fresh):
+            self.reached.fill_with_tensor_means(values, index, self.reached.before)
+
+    def _zero_unreached(self, reached):
+        """LAMB's m and v, and the fresh variance the reconstructed gradient feeds, where no gradient has reached."""
+        super()._zero_unreached(reached)
+        reached.zero(self.v_fresh)
+
     def stats(self):
         """LAMB's stats plus ``phase`` (of the next step)."""
         return {**super().stats(), "phase": self.phase}
 
+    def metrics(self):
+        """When the variance froze (None while warming up), why, and the typical denominator's last change."""
+        return self.policy.metrics()
+
     def _extra_state(self):
         return {**super()._extra_state(), "v_fresh": self.v_fresh.clone(), "scaling": self.scaling.clone(),
-                "scaled": self._scaled, "last_factor": self.last_factor.clone(), **self.onebit.state_dict()}
+                "scaled": self._scaled, "last_factor": self.last_factor.clone(), "freeze": self.policy.state_dict(),
+                **self.onebit.state_dict()}
 
     def _resize_rules(self):
         """On a resize, the 1-bit average's errors follow :data:`~mpicomm.checkpoint.resize_rules.ONEBIT_RULES`; what
@@ -148,6 +189,10 @@ class OneBitLAMB(LAMB):
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)
+        legacy_frozen = self.freeze_step is not None and self.step_count >= self.freeze_step
+        self.policy.load_state_dict(extra.get("freeze"), self.step_count, legacy_frozen)
+        if self.policy.frozen_at is not None:
+            self.freeze_step = self.policy.frozen_at
         self.onebit.load_state_dict(extra)
         for key in ("v_fresh", "scaling", "last_factor"):
             getattr(self, key).copy_(extra[key])

@@ -13,6 +13,10 @@ Step t on rank i (Avg the error-compensated 1-bit average of :mod:`.average`; th
     phase 2: v frozen; local steps x_i <- x_i (1 - lr wd) - lr m_i / denom, u_i <- u_i + lr m_i
       sync step (t mod I_u == 0):  ubar = Avg(u_i);  m <- ubar / sum(lr);  x <- c x_s - ubar / denom
 
+var_freeze_step: as given; with ``total_steps`` alone, decided while training (the first step past 20 % of the run
+at which the variance has settled, 50 % at the latest, :mod:`~mpicomm.algorithms.onebit.freeze`); with neither,
+DeepSpeed's 100,000.
+
 denom = max(sqrt(v), F) + eps, set when v changes: F = denominator_floor (default 0.01) times the mean of
 sqrt(v) over the model, so that a coordinate no variance step has seen (v = 0), whose 1-bit momentum is never
 zero, moves by about lr / denominator_floor and not lr * scale / eps
@@ -23,6 +27,10 @@ one. ``denominator_floor=0`` is the published method throughout.
 ``hierarchical`` (auto: on over several nodes of several ranks): the exact means in two levels, the 1-bit
 averages between nodes of each node's exact mean per local rank's shard
 (:class:`~mpicomm.algorithms.onebit.average.NodeOneBitAverage`): Algorithm 1 over N node-workers.
+
+A weight that no gradient has reached yet (a branch never taken, an embedding row no batch used) is not moved,
+weight decay included, and m and u stay zero there (:mod:`~mpicomm.algorithms.shared.reached`); the ranks agree on
+what was reached at the steps that communicate anyway, and a local step holds what this rank has not reached.
 
 ``optimizer=`` and ``clip_grad_norm_`` are refused. The schedules, the differences from DeepSpeed's
 code and the bytes per step: ``docs/algorithms/zeroone_adam.md``.
@@ -41,6 +49,7 @@ from ..centralized.adam import AdamConfig
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
+from .freeze import FreezePolicy, typical_denominator
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -51,13 +60,16 @@ KINDS = ("variance", "compressed", "local", "sync")
 class ZeroOneAdamConfig(AdamConfig, HierarchicalConfig, DenominatorFloorConfig):
     """Adam options plus the schedules (DeepSpeed's names and defaults), hierarchical and the denominator's floor.
 
-    var_freeze_step: steps with variance updates before v is frozen and local steps begin. var_update_scaler:
+    var_freeze_step: steps with variance updates before v is frozen and local steps begin (None: decided while
+    training when total_steps is given, else DeepSpeed's 100,000). total_steps: the run's length (the apps fill
+    it in). var_update_scaler:
     variance steps after which their interval doubles (kappa). local_step_scaler: steps after which the
     interval between synchronisations doubles. local_step_clipper: the longest such interval (H).
     compression: 1-bit averages (False: exact fp32 means, for reference runs).
     """
 
-    var_freeze_step: int = 100_000
+    var_freeze_step: int | None = None
+    total_steps: int | None = None
     var_update_scaler: int = 16
     local_step_scaler: int = 32_678
     local_step_clipper: int = 16
@@ -65,7 +77,10 @@ class ZeroOneAdamConfig(AdamConfig, HierarchicalConfig, DenominatorFloorConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("var_freeze_step", self.var_freeze_step, 1)  # step 1 is a variance step: v != 0
+        if self.var_freeze_step is not None:
+            check_int("var_freeze_step", self.var_freeze_step, 1)  # step 1 is a variance step: v != 0
+        if self.total_steps is not None:
+            check_int("total_steps", self.total_steps, 1)
         for name in ("var_update_scaler", "local_step_scaler", "local_step_clipper"):
             check_int(name, getattr(self, name), 1)
         check_bool("compression", self.compression)
@@ -77,6 +92,7 @@ class ZeroOneAdam(Algorithm):
 
     name = "zeroone_adam"
     config_class = ZeroOneAdamConfig
+    masks_unreached = True
     resize_sharded = True
     centralized = True
     optimizer_refusal = ("0/1 Adam's frozen variance and local steps are the method; set lr, beta1, beta2, eps "
@@ -97,11 +113,15 @@ class ZeroOneAdam(Algorithm):
                          "lrs": 0.0, "decay": 1.0}
         self.counts = dict.fromkeys(KINDS, 0)
         self.last_kind = ""
+        cfg = self.config
+        fixed = cfg.var_freeze_step if cfg.var_freeze_step is not None or cfg.total_steps is not None else 100_000
+        self.policy = FreezePolicy(self.name, fixed, cfg.total_steps)
+        self.var_freeze_step = fixed  # None until the policy decides it
 
     def kind(self, t: int) -> str:
         """The kind of step ``t`` (1-based) under the current schedule: one of :data:`KINDS`."""
         s = self.schedule
-        if t <= self.config.var_freeze_step:
+        if self.var_freeze_step is None or t <= self.var_freeze_step:
             return "variance" if t % s["var_interval"] == 0 else "compressed"
         return "sync" if t % s["local_interval"] == 0 else "local"
 
@@ -134,7 +154,9 @@ class ZeroOneAdam(Algorithm):
                 s["var_counter"] += 1
                 if s["var_counter"] == cfg.var_update_scaler:
                     s["var_counter"], s["var_interval"] = 0, 2 * s["var_interval"]
-            if t == cfg.var_freeze_step:
+            scale = typical_denominator(self.v, t, cfg.beta2) if self.policy.needs_scale(t) else None
+            if self.policy.after_step(t, scale):
+                self.var_freeze_step = t
                 self._start_local_phase()
             return
         self.m.lerp_(grad, 1 - cfg.beta1)
@@ -155,12 +177,26 @@ class ZeroOneAdam(Algorithm):
         if s["local_counter"] == cfg.local_step_scaler:
             s["local_counter"], s["local_interval"] = 0, min(cfg.local_step_clipper, 2 * s["local_interval"])
 
+    def _agrees_now(self) -> bool:
+        """The ranks agree on what was reached at every step that communicates anyway (all but the local steps)."""
+        return self.kind(self.step_count + 1) != "local"
+
+    def _unreached_kept(self):
+        """x_s (shared) where no rank has reached, and the model (this rank's own after the freeze) where this rank
+        has not."""
+        return [self.synced], [self.flat.data]
+
+    def _zero_unreached(self, reached):
+        """m and u (this rank's own after the freeze) where this rank has not been reached; v is exact: zero there."""
+        reached.zero(self.m, which="local")
+        reached.zero(self.u, which="local")
+
     def _set_denominator(self) -> None:
         """denom = max(sqrt(v), F) + eps: after each change of v (only variance steps change it) and when the
         floor F starts to apply (once a 1-bit average has fed m; before, F = 0)."""
         cfg, counts = self.config, self.counts
-        onebit = cfg.compression and (counts["compressed"] or counts["local"] or counts["sync"]
-                                      or self.step_count + 1 >= cfg.var_freeze_step)
+        frozen = self.var_freeze_step is not None and self.step_count + 1 >= self.var_freeze_step
+        onebit = cfg.compression and (counts["compressed"] or counts["local"] or counts["sync"] or frozen)
         raise_to_floor(torch.sqrt(self.v, out=self._denom), cfg.denominator_floor if onebit else 0.0)
         self._denom.add_(cfg.eps)
 
@@ -172,6 +208,10 @@ class ZeroOneAdam(Algorithm):
         self.onebit.worker_error.zero_()
         self.onebit.server_error.zero_()
 
+    def metrics(self):
+        """When the variance froze (None until then), why, and the typical denominator's last change."""
+        return self.policy.metrics()
+
     def stats(self):
         """Base stats plus the kind of the last step and how many steps of each kind ran."""
         out = super().stats()
@@ -182,7 +222,7 @@ class ZeroOneAdam(Algorithm):
     def _extra_state(self):
         return {"m": self.m.clone(), "v": self.v.clone(), "u": self.u.clone(), "synced": self.synced.clone(),
                 "denom": self._denom.clone(), "schedule": dict(self.schedule), "counts": dict(self.counts),
-                **self.onebit.state_dict()}
+                "freeze": self.policy.state_dict(), **self.onebit.state_dict()}
 
     def _resize_rules(self):
         """On a resize, the 1-bit average's errors follow :data:`~mpicomm.checkpoint.resize_rules.ONEBIT_RULES`; what
@@ -196,3 +236,7 @@ class ZeroOneAdam(Algorithm):
             getattr(self, key).copy_(extra[key])
         self._denom.copy_(extra["denom"])
         self.schedule, self.counts = dict(extra["schedule"]), dict(extra["counts"])
+        legacy_frozen = self.var_freeze_step is not None and self.step_count >= self.var_freeze_step
+        self.policy.load_state_dict(extra.get("freeze"), self.step_count, legacy_frozen)
+        if self.policy.frozen_at is not None:
+            self.var_freeze_step = self.policy.frozen_at
