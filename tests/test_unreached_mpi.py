@@ -98,6 +98,7 @@ def test_unreached_weights_stay_bit_equal(comm, label):
         start = entries(model)
         algo = make_algorithm(label.split(",")[0], model, Communicator(comm, topo.ring(comm.Get_size())),
                               weight_decay=0.01, **METHODS[label])
+        initial = algo.flat.data.clone()
         half = STEPS // 2
         for step in range(STEPS):
             if step == half:  # resume from a state_dict: the reached-flags must come back with it
@@ -116,5 +117,9 @@ def test_unreached_weights_stay_bit_equal(comm, label):
         assert left == EXPECTED, f"{label}: moved {sorted(EXPECTED - left)}, left {sorted(left - EXPECTED)}"
         flags = algo.state_dict()["reached"]["agreed"]
         assert flags.tolist() == [1] * 12 + [0] * 4 + [1, 1, 0, 0]  # rows, then used/unused weight and bias
+        never = algo.reached.unreached_index()
+        for name in ("synced", "global_params"):  # a shared copy of the model: 0/1 Adam's x_s, DiLoCo's x_g
+            if hasattr(algo, name):
+                assert torch.equal(getattr(algo, name)[never], initial[never]), f"{label}: {name} moved"
 
     run_all(comm, body)

@@ -181,15 +181,22 @@ class ZeroOneAdam(Algorithm):
         """The ranks agree on what was reached at every step that communicates anyway (all but the local steps)."""
         return self.kind(self.step_count + 1) != "local"
 
+    def _frozen_before(self) -> bool:
+        """Whether the variance froze before the coming step (x_s holds the last synchronised model)."""
+        return self.var_freeze_step is not None and self.step_count >= self.var_freeze_step
+
     def _unreached_kept(self):
-        """x_s (shared) where no rank has reached, and the model (this rank's own after the freeze) where this rank
-        has not."""
-        return [self.synced], [self.flat.data]
+        """After the freeze, x_s (shared) where no rank has reached; the model (this rank's own after the freeze)
+        where this rank has not."""
+        return ([self.synced] if self._frozen_before() else []), [self.flat.data]
 
     def _zero_unreached(self, reached):
-        """m and u (this rank's own after the freeze) where this rank has not been reached; v is exact: zero there."""
+        """m and u (this rank's own after the freeze) where this rank has not been reached; v is exact: zero there.
+        At the step that froze v, x_s was copied from a model the step had moved there: it takes the kept values."""
         reached.zero(self.m, which="local")
         reached.zero(self.u, which="local")
+        if self.var_freeze_step == self.step_count + 1:
+            reached.copy(self.synced, self.flat.data)
 
     def _set_denominator(self) -> None:
         """denom = max(sqrt(v), F) + eps: after each change of v (only variance steps change it) and when the

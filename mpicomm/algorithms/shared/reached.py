@@ -164,6 +164,12 @@ class Reached:
         if not getattr(self, which).all():
             tensor.index_fill_(0, self._index_within(which, offset, offset + tensor.numel()), 0)
 
+    def copy(self, tensor: torch.Tensor, source: torch.Tensor, which: str = "agreed") -> None:
+        """``tensor`` <- ``source`` where the ``which`` flag is unset (both laid out as the flat buffer)."""
+        if not getattr(self, which).all():
+            index = self.unreached_index(which)
+            tensor.index_copy_(0, index, source.index_select(0, index))
+
     def hold(self, agreed: list[torch.Tensor], local: list[torch.Tensor] = ()) -> Held | None:
         """Remember the values of ``agreed`` where no rank has reached them and of ``local`` where this rank has
         not (each tensor laid out as the flat buffer), to put back with :meth:`Held.restore` after the update; None
