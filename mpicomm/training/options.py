@@ -91,7 +91,6 @@ see :func:`settle_app_defaults`, whose other options on the command line leave r
 
 APP_OPTIONS = {
     "ef_signsgd": {"momentum": 0.0},
-    "powersgd": {"rank": 4},
 }
 """Per method, the apps' defaults that differ from the library's (beyond :data:`APP_DEFAULTS`), measured on the
 ResNet app's digits (2 ranks, 120 steps; AllReduce-SGD 98.3 %; ``bench/training/defaults_sweep.py``):
@@ -99,9 +98,9 @@ ResNet app's digits (2 ranks, 120 steps; AllReduce-SGD 98.3 %; ``bench/training/
 * ``ef_signsgd``: no momentum (and ``--lr`` :data:`LR_WITHOUT_MOMENTUM`): its error feedback compresses the step
   lr g + e, and momentum on the compressed steps re-applies, for about ten more steps, corrections the feedback
   has already made: 96.7 % without, 43 % with momentum 0.9 at lr 0.1 (66 steps).
-* ``powersgd``: rank 4 (the library keeps torch's ``powerSGD_hook`` default, 1, which torch pairs with 1,000
-  steps of plain allreduce first): rank 1 reaches 69.6 %, rank 2 86.9 %, rank 4 97.2 %, at 1/35, 1/19 and 1/10
-  of AllReduce-SGD's bytes.
+
+(PowerSGD's rank 4, measured the same way -- rank 1 reached 69.6 %, rank 2 86.9 %, rank 4 97.2 %, at 1/35, 1/19
+and 1/10 of AllReduce-SGD's bytes -- is the library's default, so the apps need no entry for it.)
 """
 
 LR_WITHOUT_MOMENTUM = 0.25

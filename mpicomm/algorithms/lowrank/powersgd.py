@@ -51,14 +51,16 @@ __all__ = ["PowerSGD", "PowerSGDConfig"]
 class PowerSGDConfig(TwoLevelConfig):
     """PowerSGD options.
 
-    rank: r of every compressed matrix. warmup_steps: fp32 AllReduce-SGD steps first.
+    rank: r of every compressed matrix (default 4: torch's ``powerSGD_hook`` defaults to 1 after 1,000 steps of
+    plain allreduce; from the first step, on the ResNet app's digits at 2 ranks and 120 steps, rank 1 reached
+    69.6 %, rank 4 97.2 % at a tenth of AllReduce-SGD's bytes). warmup_steps: fp32 AllReduce-SGD steps first.
     min_compression_rate: compress a matrix only if it shrinks by more than this. error_feedback: add
     what compression dropped to the next step's gradient. warm_start: reuse Q across steps. epsilon:
     added to column norms when orthogonalizing. overlap: both allreduces bucket by bucket during backward
     (:mod:`.bucketed`; bucket sizes: see OverlapConfig). hierarchical: see the module docstring.
     """
 
-    rank: int = 1
+    rank: int = 4
     warmup_steps: int = 0
     min_compression_rate: float = 2.0
     error_feedback: bool = True
