@@ -204,6 +204,7 @@ def test_resuming_a_finished_run_reports_its_result(comm, capsys, finished_run):
 @pytest.mark.parametrize("extra, message", [
     (["--accumulate", "100", "--max-steps", "0", "--epochs", "1"],
      "--accumulate 100 needs more batches than the run has"),
+    (["--lr-warmup-steps", "2"], "--lr-warmup-steps 2 must be below the run's 2 steps"),
     (["--eval-limit", "-5"], "--eval-limit must be 0 (the whole test set) or a positive number of images, got -5"),
     (["--out-dir", "FILE"], "is a file, not a directory"),
     (["--tensorboard", "FILE"], "--tensorboard FILE is a file, not a directory"),

@@ -116,11 +116,16 @@ class TrainConfig:
         return min(total, self.max_steps) if self.max_steps else total
 
     def check_total(self, steps_per_epoch: int) -> None:
-        """Raise ``ValueError`` naming the options when the run would have no update at all."""
-        if self.total_steps(steps_per_epoch) < 1:
+        """Raise ``ValueError`` naming the options when the run would have no update at all, or a learning-rate
+        warm-up as long as the run."""
+        total = self.total_steps(steps_per_epoch)
+        if total < 1:
             raise ValueError(f"--accumulate {self.accumulate} needs more batches than the run has: --epochs "
                              f"{self.epochs} x {steps_per_epoch} batches per epoch make "
                              f"{self.epochs * steps_per_epoch}; lower --accumulate or raise --epochs")
+        if self.warmup_steps >= total:
+            raise ValueError(f"--lr-warmup-steps {self.warmup_steps} must be below the run's {total} steps (the "
+                             "learning rate would never leave its warm-up); lower it or train longer")
 
 
 def crossed(before: int, after: int, every: int) -> bool:
