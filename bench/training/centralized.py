@@ -58,9 +58,9 @@ SGD_CASES = [  # label, algorithm, options
 def _adam_cases(total_steps: int) -> list[tuple[str, str, dict]]:
     return [
         ("AllReduce-Adam", "allreduce_adam", {"lr": 1e-3}),
-        ("APMSqueeze", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps}),
+        ("APMSqueeze", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps, "warmup_fraction": 0.2}),
         ("1-bit Adam (DeepSpeed form)", "apmsqueeze", {"lr": 1e-3, "total_steps": total_steps,
-                                                       "variant": "deepspeed"}),
+                                                       "warmup_fraction": 0.2, "variant": "deepspeed"}),
         ("0/1 Adam", "zeroone_adam", {"lr": 1e-3, **zeroone_schedule(total_steps)}),
         ("LAMB", "lamb", {"lr": 0.01}),
         ("1-bit LAMB", "onebit_lamb", {"lr": 0.01, "freeze_step": round(0.2 * total_steps)}),

@@ -159,9 +159,9 @@ def main() -> None:
     defaults = {m: {"library": default_lr(m), "apps": app_lr(m)} for m in ALGORITHMS}
     intro = ("Bars: ResNet within 10 points of `allreduce_sgd`, at least 60 % for the local-update and sign methods; "
              "BERT a final validation MLM loss below ln 4000 = 8.29 (a uniform guess). `lr` and `momentum` are "
-             "what the run used (the start record's config). Two rows compress nothing in these runs: "
-             "`compressed_sgd`'s default codec is `identity`, and `onebit_lamb` compresses only after its "
-             "`freeze_step` (100,000 by default, DeepSpeed's), so it is LAMB here.")
+             "what the run used (the start record's config). `compressed_sgd`'s default codec is `identity`: it "
+             "compresses nothing in these runs. The 1-bit family freezes its variance (and starts compressing) once "
+             "it has settled, between 20 % and 50 % of each run (`variance_frozen_at` in its metrics.jsonl).")
     write_table("defaults", "Every method with only --algorithm given (the apps' defaults)",
                 "\n\n".join([intro, *parts]),
                 {"ranks": RANKS, "commands": {a: APPS[a] for a in results}, "default_lr": defaults,
