@@ -35,10 +35,16 @@ def test_settled_before_the_earliest_step_still_waits_for_it():
 
 
 def test_a_variance_still_moving_freezes_at_the_latest_step():
-    """s grows 2 % a step: 10 % over the window of 5, never below the tolerance of 5 %."""
+    """s grows 3 % a step: 14 % over the window of 5, never below the tolerance of 10 %."""
     policy = FreezePolicy("zeroone_adam", None, 100)
-    assert _run(policy, [1.02**t for t in range(1, 101)]) == 50
-    assert policy.reason == "latest" and policy.change == pytest.approx(1 - 1.02**-5)
+    assert _run(policy, [1.03**t for t in range(1, 101)]) == 50
+    assert policy.reason == "latest" and policy.change == pytest.approx(1 - 1.03**-5)
+
+
+def test_a_change_just_under_the_tolerance_has_settled():
+    """s grows 2 % a step: 9.4 % over the window, under the tolerance of 10 %: settled at the earliest step."""
+    policy = FreezePolicy("zeroone_adam", None, 100)
+    assert _run(policy, [1.02**t for t in range(1, 101)]) == 20 and policy.reason == "settled"
 
 
 def test_a_step_given_is_kept():
