@@ -17,9 +17,10 @@ run compresses. The bounds are the papers': APMSqueeze runs Adam for 15 % of BER
 tutorials freeze at 15-25 %; this project's earlier fixed default was 20 %, which the policy keeps whenever v has
 settled by then. The settling test is the variance-change criterion the 1-bit Adam and 0/1 Adam papers discuss
 (the L1 norm of v flattens once training leaves its first phase), on one scalar per step: no memory beyond K + 1
-floats. The tolerance, 10 %, was set on the BERT yardstick's first seed (3,000 steps): there s still changed by
-8.1 % over the window at 20 % of the run and fell under 5 % only at 26 % (docs/algorithms/apmsqueeze.md). The step, the reason ("settled" or "latest") and s's last relative change are the method's
-``metrics()`` and a ``variance_frozen`` record in the app's metrics.jsonl.
+floats. The tolerance, 10 %, was set on the BERT yardstick's first seed (3,000 steps): there s still changed by 8.1
+% over the window at 20 % of the run and fell under 5 % only at 26 % (docs/algorithms/apmsqueeze.md). The step, the
+reason ("settled" or "latest") and s's last relative change are the method's ``metrics()`` and a ``variance_frozen``
+record in the app's metrics.jsonl.
 """
 
 from __future__ import annotations
