@@ -14,13 +14,12 @@ comes after the first step t >= ceil(``MIN_FRACTION`` T) at which the typical Ad
 has changed by less than ``TOLERANCE`` relatively over the last K = max(1, round(``WINDOW_FRACTION`` T)) steps,
 |s_t - s_(t-K)| < TOLERANCE s_t, and after step floor(``MAX_FRACTION`` T) at the latest, so that at least half the
 run compresses. The bounds are the papers': APMSqueeze runs Adam for 15 % of BERT's training, DeepSpeed's 1-bit Adam
-tutorials freeze at 15-25 %; this project's earlier fixed default was 20 %, which the policy keeps whenever v has
-settled by then. The settling test is the variance-change criterion the 1-bit Adam and 0/1 Adam papers discuss
+tutorials freeze at 15-25 %; where v has settled by 20 % the policy is a fixed warm-up of 20 %. The settling test is the variance-change criterion the 1-bit Adam and 0/1 Adam papers discuss
 (the L1 norm of v flattens once training leaves its first phase), on one scalar per step: no memory beyond K + 1
 floats. The tolerance, 10 %, was set on the BERT yardstick's first seed (3,000 steps): there s still changed by 8.1
 % over the window at 20 % of the run and fell under 5 % only at 26 % (docs/algorithms/apmsqueeze.md). The step, the
-reason ("settled" or "latest") and s's last relative change are the method's ``metrics()`` and a ``variance_frozen``
-record in the app's metrics.jsonl.
+reason ("settled", "latest" or "given") and s's last relative change are the method's ``metrics()``, in every
+train record of the app's metrics.jsonl.
 """
 
 from __future__ import annotations
