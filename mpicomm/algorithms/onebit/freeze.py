@@ -1,25 +1,25 @@
 """When the 1-bit family freezes Adam's variance: at a step given, or once it has settled, within set parts of the run.
 
-APMSqueeze (the end of its warm-up), 1-bit LAMB (``freeze_step``) and 0/1 Adam (``var_freeze_step``) stop
-updating Adam's second moment v and compress from then on with v as it was. Frozen too early, v is the variance of
-a model that has not started to learn: on the BERT masked-LM yardstick (docs/results/bert_mlm.md, 600 steps) all
-three froze at step 120, on the loss plateau that AllReduce-Adam leaves between steps 150 and 300, and ended at the
-input-blind baseline; frozen at step 300 they learned.
+APMSqueeze (the end of its warm-up), 1-bit LAMB (``freeze_step``) and 0/1 Adam (``var_freeze_step``) stop updating
+Adam's second moment v and compress from then on with v as it was. Frozen too early, v is the variance of a model
+that has not started to learn: on the BERT masked-LM yardstick (docs/results/bert_mlm.md, 600 steps) all three froze
+at step 120, on the loss plateau that AllReduce-Adam leaves between steps 150 and 300, and ended at the input-blind
+baseline; frozen at step 300 they learned.
 
 :class:`FreezePolicy`, for a run of T steps (``total_steps``, which the apps fill in) and no step given: the freeze
 comes after the first step t >= ceil(``MIN_FRACTION`` T) at which the typical Adam denominator
 
     s_t = mean_j sqrt(v_t,j / (1 - b2^t))          (bias-corrected: the estimate, not the EMA filling up)
 
-has changed by less than ``TOLERANCE`` relatively over the last K = max(1, round(``WINDOW_FRACTION`` T)) steps,
-|s_t - s_(t-K)| < TOLERANCE s_t, and after step floor(``MAX_FRACTION`` T) at the latest, so that at least half the
-run compresses. The bounds are the papers': APMSqueeze runs Adam for 15 % of BERT's training, DeepSpeed's 1-bit Adam
-tutorials freeze at 15-25 %; where v has settled by 20 % the policy is a fixed warm-up of 20 %. The settling test is the variance-change criterion the 1-bit Adam and 0/1 Adam papers discuss
-(the L1 norm of v flattens once training leaves its first phase), on one scalar per step: no memory beyond K + 1
-floats. The tolerance, 10 %, was set on the BERT yardstick's first seed (3,000 steps): there s still changed by 8.1
-% over the window at 20 % of the run and fell under 5 % only at 26 % (docs/algorithms/apmsqueeze.md). The step, the
-reason ("settled", "latest" or "given") and s's last relative change are the method's ``metrics()``, in every
-train record of the app's metrics.jsonl.
+has changed by less than ``TOLERANCE`` relatively over the last K = max(1, round(``WINDOW_FRACTION`` T)) steps, |s_t
+- s_(t-K)| < TOLERANCE s_t, and after step floor(``MAX_FRACTION`` T) at the latest, so that at least half the run
+compresses. The bounds are the papers': APMSqueeze runs Adam for 15 % of BERT's training, DeepSpeed's 1-bit Adam
+tutorials freeze at 15-25 %; where v has settled by 20 % the policy is a fixed warm-up of 20 %. The settling test is
+the variance-change criterion the 1-bit Adam and 0/1 Adam papers discuss (the L1 norm of v flattens once training
+leaves its first phase), on one scalar per step: no memory beyond K + 1 floats. The tolerance, 10 %, was set on the
+BERT yardstick's first seed (3,000 steps): there s still changed by 8.1 % over the window at 20 % of the run and
+fell under 5 % only at 26 % (docs/algorithms/apmsqueeze.md). The step, the reason ("settled", "latest" or "given")
+and s's last relative change are the method's ``metrics()``, in every train record of the app's metrics.jsonl.
 """
 
 from __future__ import annotations
