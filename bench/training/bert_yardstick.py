@@ -144,7 +144,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=3000, help="training steps per run (--max-steps)")
     p.add_argument("--warmup", type=int, default=100, help="--lr-warmup-steps of every run")
-    add_table_options(p, "allreduce_adam,apmsqueeze,zeroone_adam,onebit_lamb,moniqua,diloco", "bert_mlm")
+    add_table_options(p, "allreduce_adam,apmsqueeze,zeroone_adam,onebit_lamb,moniqua,diloco", "bert_mlm_3000")
     args = p.parse_args()
     entries, seeds, command = table_plan(args, "bench/training/bert_yardstick.py")
     enter_loopback_namespace()

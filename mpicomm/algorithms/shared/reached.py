@@ -58,6 +58,7 @@ class Reached:
         self._index: dict[str, torch.Tensor] = {}  # unreached flat positions by "agreed" / "local"
         self.before = torch.empty(0, dtype=torch.long)  # the agreed-unreached positions before the last agree()
         self._within: dict[tuple, torch.Tensor] = {}
+        self._open: list | None = None  # the tensors :meth:`note` looks at (None: to list again)
 
     @property
     def done(self) -> bool:
@@ -66,13 +67,27 @@ class Reached:
         return bool(self.agreed.all())
 
     def note(self, grad: torch.Tensor) -> None:
-        """Set this rank's flags where ``grad`` (the flat gradient) holds a non-zero value; no communication."""
+        """Set this rank's flags where ``grad`` (the flat gradient) holds a non-zero value; no communication. Only
+        the tensors with a flag still unset are looked at (one device-to-host copy of their flags)."""
         if self.local.all():
             return
+        if self._open is None:  # (first flag, offset, rows, row length) of each tensor with a flag unset
+            self._open, start = [], 0
+            for lo, rows, length in self.units:
+                if not self.local[start:start + rows].all():
+                    self._open.append((start, lo, rows, length))
+                start += rows
+        open_units = self._open
         seen = torch.cat([grad[lo:lo + rows * length].view(rows, length).ne(0).any(dim=1)
-                          for lo, rows, length in self.units]).to(device="cpu", dtype=torch.uint8)
-        if bool((seen > self.local).any()):
-            self.local |= seen
+                          for _, lo, rows, length in open_units]).to(device="cpu", dtype=torch.uint8)
+        changed, at = False, 0
+        for start, _, rows, _ in open_units:
+            part = seen[at:at + rows]
+            at += rows
+            if bool((part > self.local[start:start + rows]).any()):
+                self.local[start:start + rows] |= part
+                changed = True
+        if changed:
             self._forget("local")
 
     def agree(self) -> torch.Tensor:
@@ -132,6 +147,8 @@ class Reached:
         values[(mine - offset).to(values.device)] = fill.to(values.device)
 
     def _forget(self, which: str) -> None:
+        if which == "local":
+            self._open = None
         self._index.pop(which, None)
         self._within = {k: v for k, v in self._within.items() if k[0] != which}
 
@@ -198,7 +215,7 @@ class Reached:
                     raise ValueError(f"state holds {flags.numel()} reached-flags, this model has {self.agreed.numel()} "
                                      "(one per trainable tensor and embedding row)")
                 getattr(self, key).copy_(flags.reshape(-1))
-        self._index, self._within = {}, {}
+        self._index, self._within, self._open = {}, {}, None
 
 
 class Held:
