@@ -46,7 +46,7 @@ ALGOS = {
     "ef_signsgd": {},
     "hsq": {"min_compress": 4},
     "lamb": {"lr": 0.01},
-    "powersgd": {"warmup_steps": 2, "min_compression_rate": 1.0, "momentum": 0.9},
+    "powersgd": {"rank": 1, "warmup_steps": 2, "min_compression_rate": 1.0, "momentum": 0.9},  # rank 1: a residual
     # the 1-bit family past its warm-up / variance freeze: worker and server errors in use
     "apmsqueeze": {"warmup_steps": 2, "total_steps": 40, "lr": 0.01},
     "zeroone_adam": {"var_freeze_step": 2, "lr": 0.001},
