@@ -44,7 +44,9 @@ def _guarded(what: str, call):
 
 class World:
     """The processes of an mpi4py intracommunicator (default ``MPI.COMM_WORLD``): ``rank``, ``size``, a guarded
-    :meth:`allgather_object` and :meth:`abort`. ``comm`` is the mpi4py communicator itself, for those who want it.
+    :meth:`allgather_object` and :meth:`abort`. ``comm`` is the mpi4py communicator itself, for those who want it;
+    any other attribute is that communicator's, so ``job.world.allreduce(x)``, ``job.world.Barrier()`` or
+    ``job.world.Get_rank()`` work as on ``MPI.COMM_WORLD`` (unguarded: mpi4py's own calls).
 
     ``rank``, ``size`` and ``allgather_object(obj, what)`` are the interface it shares with a Communicator, so
     code that only agrees on small objects (:func:`~mpicomm.comm.raise_together`) takes either.
@@ -80,6 +82,12 @@ class World:
     def abort(self, code: int) -> None:
         """End every process of this World with exit status ``code`` (``MPI_Abort``)."""
         self.comm.Abort(code)
+
+    def __getattr__(self, name: str):
+        """What World does not define is the mpi4py communicator's (``allreduce``, ``Barrier``, ``bcast``, ...)."""
+        if name == "comm":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.comm, name)
 
 
 _WORLD: World | None = None
