@@ -18,7 +18,8 @@ fi
 export OMP_NUM_THREADS=1
 all=(comm codecs kernel-breakdown moniqua-pull decentralized centralized moniqua moniqua-adpsgd netvalidate tta bert
      hsq scaling moniqua-theta moniqua-resnet peers peers-apps export-batchnorm step-overhead host-syncs
-     user-optimizer memory resize-memory sharding moniqua-rss overlap local-updates gossip-overlap hierarchy defaults)
+     user-optimizer memory resize-memory sharding moniqua-rss overlap local-updates gossip-overlap hierarchy defaults
+     bert-yardstick skewed)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -58,6 +59,12 @@ for name in "${chosen[@]}"; do
                       --steps 15 --rounds 3 --settings slow,gbit --name gossip_overlap ;;
     hierarchy) python bench/wallclock/hierarchy.py ;;
     defaults) python bench/training/defaults_sweep.py ;;
+    bert-yardstick) python bench/training/bert_yardstick.py --methods allreduce_adam,apmsqueeze,onebit_lamb,zeroone_adam ;;
+    skewed) python bench/training/yardstick.py --ranks 8 --seeds 0,1,2 --epochs 10 --name mnist1d_skewed \
+              --methods dpsgd+dirichlet-alpha=0.1,d2+dirichlet-alpha=0.1,moniqua+dirichlet-alpha=0.1,moniqua_d2+dirichlet-alpha=0.1,moniqua_d2+bits=2+dirichlet-alpha=0.1,dpsgd+momentum=0+lr=0.25+dirichlet-alpha=0.1
+            python bench/training/yardstick.py --ranks 8 --seeds 0,1,2 --epochs 10 --methods moniqua_d2+bits=2 --name mnist1d_d2_bits
+            python bench/training/yardstick.py --ranks 8 --seeds 0 --epochs 10 --name mnist1d_adam_lr \
+              --methods allreduce_adam,allreduce_adam+lr=3e-3,allreduce_adam+lr=1e-2 ;;
     gpu) scripts/gpu_check.sh ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac
