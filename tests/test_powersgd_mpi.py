@@ -2,6 +2,7 @@
 full rank == AllReduce-SGD, exact bytes, convergence on a matrix least-squares problem, state, config."""
 
 import datetime
+import gc
 import math
 import os
 
@@ -64,6 +65,7 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
                    "error_feedback": error_feedback}
         algo = make_algorithm("powersgd", make_model(seed=me), _comm(comm), lr=0.1, momentum=0.9, **options)
         _init_gloo(comm)
+        ddp = None
         try:
             model = make_model(seed=me)
             ddp = DistributedDataParallel(model)
@@ -97,6 +99,10 @@ def test_matches_torch_ddp_powersgd_hook(comm, rank, rate, error_feedback):
             assert compressed == len(algo.layout.matrices)
             assert state.total_numel_after_compression < state.total_numel_before_compression
         finally:
+            # DDP's reducer holds the process group: freed after destroy_process_group, its gloo group's destructor
+            # waited forever for its worker threads (seen once at 1 rank); free it while the group and store live
+            del ddp
+            gc.collect()
             # rank 0 hosts the TCPStore: it is torn down last, once no other rank's gloo can still reach it (torn
             # down first, it can leave a rank still closing its group without its store, and gloo aborts then)
             if comm.Get_rank() != 0:
