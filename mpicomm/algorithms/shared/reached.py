@@ -105,16 +105,13 @@ class Reached:
                 self.comm.allreduce(packed, op="bor")
             seen = bitpack.unpack(packed, 1, len(pending))
         newly = pending[seen.bool()]
-        before = self.unreached_index("agreed")
+        before = self.before = self.unreached_index("agreed")
+        if not len(newly):  # nothing new on any rank (so this rank's own flags are the agreed ones): caches stay
+            return torch.empty(0, dtype=torch.long, device=device)
         self.agreed[newly] = 1
-        changed = not torch.equal(self.local, self.agreed)
         self.local.copy_(self.agreed)
         self._forget("agreed")
-        if changed:
-            self._forget("local")
-        self.before = before
-        if not len(newly):
-            return torch.empty(0, dtype=torch.long, device=device)
+        self._forget("local")
         return before[~torch.isin(before, self.unreached_index("agreed"))]
 
     def fill_with_tensor_means(self, values: torch.Tensor, index: torch.Tensor, before: torch.Tensor,
