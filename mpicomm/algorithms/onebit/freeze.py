@@ -29,7 +29,7 @@ from collections import deque
 
 import torch
 
-__all__ = ["MAX_FRACTION", "MIN_FRACTION", "TOLERANCE", "WINDOW_FRACTION", "FreezePolicy"]
+__all__ = ["MAX_FRACTION", "MIN_FRACTION", "TOLERANCE", "WINDOW_FRACTION", "FreezePolicy", "typical_denominator"]
 
 MIN_FRACTION = 0.2
 MAX_FRACTION = 0.5
@@ -46,7 +46,6 @@ class FreezePolicy:
         self.frozen_at: int | None = None
         self.reason = ""
         self.change: float | None = None  # s's relative change over the window at the last check
-        self._history: deque = deque()
         if fixed is None and total_steps is not None:
             self.earliest = max(1, math.ceil(MIN_FRACTION * total_steps))
             self.latest = max(self.earliest, math.floor(MAX_FRACTION * total_steps))
@@ -55,7 +54,7 @@ class FreezePolicy:
                 raise ValueError(f"{name}: a run of {total_steps} step(s) is too short to compress at all: the "
                                  f"variance is measured for at least {self.earliest} step(s) and compression starts "
                                  "after them; train longer, or use allreduce_adam")
-        self._history = deque(maxlen=getattr(self, "window", 0) + 1)
+        self._history: deque = deque(maxlen=getattr(self, "window", 0) + 1)  # s at the window's steps
 
     @property
     def adaptive(self) -> bool:
