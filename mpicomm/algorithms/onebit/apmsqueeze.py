@@ -62,7 +62,7 @@ from ..shared.buckets import LaunchedTraffic, OverlapConfig
 from ..shared.hierarchy import mean_over_ranks
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
-from .freeze import FreezePolicy, typical_denominator
+from .freeze import FreezePolicy
 from .pipelined import PipelinedOneBitAverage
 
 __all__ = ["APMSqueeze", "APMSqueezeConfig"]
@@ -211,12 +211,8 @@ class APMSqueeze(LaunchedTraffic, AllReduceAdam):
     def _decide_freeze(self) -> None:
         """After a warm-up step: ask the policy whether the warm-up ends here (T_w is then this step)."""
         t = self.step_count + 1
-        scale = None
-        if self.policy.needs_scale(t):
-            v = self.adam_state()["exp_avg_sq"]
-            scale = typical_denominator(v, t, self.config.beta2,
-                                        self.comm if self.sharding is not None else None, self.flat.numel)
-        if self.policy.after_step(t, scale):
+        if self.policy.decide(t, self.adam_state()["exp_avg_sq"], self.config.beta2,
+                              self.comm if self.sharding is not None else None, self.flat.numel):
             self.warmup = t
 
     def metrics(self):

@@ -86,6 +86,12 @@ class FreezePolicy:
             self._freeze(step, "latest")
         return self.frozen_at is not None
 
+    def decide(self, step: int, v: torch.Tensor, beta2: float, comm=None, numel: int | None = None) -> bool:
+        """:meth:`after_step` with s computed from Adam's ``v`` when it is needed (:func:`typical_denominator`; ``comm``
+        and ``numel`` for a shard of v). Collective with ``comm`` when s is needed."""
+        scale = typical_denominator(v, step, beta2, comm, numel) if self.needs_scale(step) else None
+        return self.after_step(step, scale)
+
     def _freeze(self, step: int, reason: str) -> None:
         self.frozen_at, self.reason = step, reason
 

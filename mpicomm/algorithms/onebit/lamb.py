@@ -40,7 +40,7 @@ from ..base import check_int, check_range
 from ..centralized.lamb import LAMB, LAMBTwoLevelConfig
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
-from .freeze import FreezePolicy, typical_denominator
+from .freeze import FreezePolicy
 
 __all__ = ["OneBitLAMB", "OneBitLAMBConfig"]
 
@@ -109,8 +109,7 @@ class OneBitLAMB(LAMB):
         if self.phase == "warmup":
             self._lamb_step(grad)
             t = self.step_count + 1
-            scale = typical_denominator(self.v, t, self.config.beta2) if self.policy.needs_scale(t) else None
-            if self.policy.after_step(t, scale):
+            if self.policy.decide(t, self.v, self.config.beta2):
                 self.freeze_step = t
                 self.v_fresh.copy_(self.v)
         else:

@@ -52,7 +52,7 @@ from ..centralized.adam import AdamConfig
 from ..shared.hierarchy import HierarchicalConfig, mean_over_ranks, two_level_for
 from .average import onebit_average_for
 from .floor import DenominatorFloorConfig, raise_to_floor
-from .freeze import FreezePolicy, typical_denominator
+from .freeze import FreezePolicy
 
 __all__ = ["KINDS", "ZeroOneAdam", "ZeroOneAdamConfig"]
 
@@ -162,8 +162,7 @@ class ZeroOneAdam(Algorithm):
                 s["var_counter"] += 1
                 if s["var_counter"] == self.var_update_scaler:  # never when None: no thinning
                     s["var_counter"], s["var_interval"] = 0, 2 * s["var_interval"]
-            scale = typical_denominator(self.v, t, cfg.beta2) if self.policy.needs_scale(t) else None
-            if self.policy.after_step(t, scale):
+            if self.policy.decide(t, self.v, cfg.beta2):
                 self.var_freeze_step = t
                 self._start_local_phase()
             return
