@@ -263,6 +263,99 @@ def test_one_peer_exponential(n):
     assert s.union_edges() == frozenset().union(*(s.at(t).edges() for t in range(s.period)))
 
 
+def _check_pairwise_step(step: topo.Topology, sit_out=()) -> None:
+    """A pairwise one-peer step: symmetric, doubly stochastic, one partner (weight 1/2) per rank but those
+    in ``sit_out``, which keep W_ii = 1."""
+    n = step.size
+    assert step.is_symmetric(tol=0.0) and step.is_doubly_stochastic(tol=1e-12)
+    for i in range(n):
+        if i in sit_out:
+            assert step.out_neighbors(i) == step.in_neighbors(i) == () and step.self_weight(i) == 1.0
+        else:
+            (j,) = step.out_neighbors(i)
+            assert step.in_neighbors(i) == (j,) and step.out_neighbors(j) == (i,)
+            assert step.self_weight(i) == 0.5 and step.neighbor_weights(i) == (0.5,)
+
+
+def _pair_matrix(n, pairs):
+    W = np.eye(n)
+    for a, b in pairs:
+        W[a, a] = W[b, b] = W[a, b] = W[b, a] = 0.5
+    return W
+
+
+def _period_product(s) -> np.ndarray:
+    prod = np.eye(s.size)
+    for t in range(s.period):
+        prod = s.at(t).W @ prod
+    return prod
+
+
+def test_alternating_ring_by_hand():
+    h = 0.5
+    s4 = topo.alternating_ring(4)
+    assert s4.period == 2 and s4.name == "alternating_ring(4)"
+    assert [t.name for t in s4.topologies] == ["alternating_ring(4)[even]", "alternating_ring(4)[odd]"]
+    even4 = [[h, h, 0, 0], [h, h, 0, 0], [0, 0, h, h], [0, 0, h, h]]  # (0, 1), (2, 3)
+    odd4 = [[h, 0, 0, h], [0, h, h, 0], [0, h, h, 0], [h, 0, 0, h]]  # (1, 2), (3, 0)
+    assert np.array_equal(s4.at(0).W, even4) and np.array_equal(s4.at(1).W, odd4)
+    assert s4.at(2) is s4.at(0) and s4.at(3) is s4.at(1)
+    for t in range(2):
+        _check_pairwise_step(s4.at(t))
+    s5 = topo.alternating_ring(5)
+    even5 = [[h, h, 0, 0, 0], [h, h, 0, 0, 0], [0, 0, h, h, 0], [0, 0, h, h, 0], [0, 0, 0, 0, 1]]  # 4 sits out
+    odd5 = [[1, 0, 0, 0, 0], [0, h, h, 0, 0], [0, h, h, 0, 0], [0, 0, 0, h, h], [0, 0, 0, h, h]]  # 0 sits out
+    assert np.array_equal(s5.at(0).W, even5) and np.array_equal(s5.at(1).W, odd5)
+    _check_pairwise_step(s5.at(0), sit_out=(4,))
+    _check_pairwise_step(s5.at(1), sit_out=(0,))
+
+
+@pytest.mark.parametrize("n", NS)
+def test_alternating_ring(n):
+    s = topo.alternating_ring(n)
+    assert s.size == n and s.name == f"alternating_ring({n})" and s == topo.build("alternating_ring", n)
+    if n == 1:
+        assert s.period == 1 and np.array_equal(s.at(0).W, [[1.0]])
+        return
+    even = [(i, i + 1) for i in range(0, n - 1, 2)]
+    odd = [(i, (i + 1) % n) for i in range(1, n - 1 if n % 2 else n, 2)]
+    assert s.period == 2
+    assert np.array_equal(s.at(0).W, _pair_matrix(n, even)) and np.array_equal(s.at(1).W, _pair_matrix(n, odd))
+    _check_pairwise_step(s.at(0), sit_out=(n - 1,) if n % 2 else ())
+    _check_pairwise_step(s.at(1), sit_out=(0,) if n % 2 else ())
+    # the union is the ring for even n, the path 0 - 1 - ... - n-1 for odd n: consensus over the period
+    ring_edges = topo.ring(n).edges()
+    assert s.union_edges() == (ring_edges - {(0, n - 1), (n - 1, 0)} if n % 2 and n > 2 else ring_edges)
+    assert topo.from_matrix(_period_product(s)).spectral_gap() > 0.0
+
+
+def test_one_peer_hypercube_by_hand():
+    s = topo.one_peer_hypercube(8)
+    assert s.period == 3 and s.name == "one_peer_hypercube(8)"
+    assert [t.name for t in s.topologies] == [f"one_peer_hypercube(8)[{d}]" for d in range(3)]
+    pairs = [[(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2), (1, 3), (4, 6), (5, 7)], [(0, 4), (1, 5), (2, 6), (3, 7)]]
+    for t, p in enumerate(pairs):
+        step = s.at(t)
+        assert np.array_equal(step.W, _pair_matrix(8, p)) and s.at(t + 3) is step
+        _check_pairwise_step(step)  # a perfect matching: every rank has exactly one partner
+        assert len(step.edges()) == 8
+    assert np.abs(_period_product(s) - np.full((8, 8), 1 / 8)).max() <= 1e-12
+
+
+@pytest.mark.parametrize("n", POW2)
+def test_one_peer_hypercube(n):
+    s = topo.one_peer_hypercube(n)
+    assert s.size == n and s.period == max(n.bit_length() - 1, 1) and s == topo.build("one_peer_hypercube", n)
+    for t in range(s.period):
+        _check_pairwise_step(s.at(t), sit_out=(0,) if n == 1 else ())
+        for i in range(n if n > 1 else 0):
+            assert s.at(t).out_neighbors(i) == (i ^ (1 << t),)
+    # entries are dyadic rationals: the exact average, bit for bit
+    assert np.array_equal(_period_product(s), np.full((n, n), 1.0 / n))
+    if n > 1:
+        assert s.union_edges() == topo.hypercube(n).edges()
+
+
 def test_one_period_product_is_not_exact_for_ring():
     # the exact-average property is special: gossip on a static ring only approaches the average
     W = topo.ring(8).W
@@ -310,17 +403,20 @@ def test_non_doubly_stochastic_topology_is_allowed_but_has_no_gap():
 
 def test_build_and_registry():
     assert set(topo.TOPOLOGIES) == {"ring", "torus", "exponential", "hypercube", "complete", "star",
-                                     "random_regular", "one_peer_exponential"}
+                                     "random_regular", "one_peer_exponential", "alternating_ring",
+                                     "one_peer_hypercube"}
     assert topo.build("ring", 8) == topo.ring(8)
     assert topo.build("torus", 8, rows=4) == topo.torus(8, rows=4)
     assert topo.build("random_regular", 8, degree=3, seed=1) == topo.random_regular(8, 3, 1)
     assert topo.build("one_peer_exponential", 8) == topo.one_peer_exponential(8)
+    assert topo.build("alternating_ring", 6) == topo.alternating_ring(6)
+    assert topo.build("one_peer_hypercube", 8) == topo.one_peer_hypercube(8)
 
 
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: topo.build("mesh", 4), r"unknown topology 'mesh'; valid names: complete, exponential"),
+        (lambda: topo.build("mesh", 4), r"unknown topology 'mesh'; valid names: alternating_ring, complete, "),
         (lambda: topo.ring(0), r"^n must be an int >= 1, got 0"),
         (lambda: topo.ring(-3), r"^n must be"),
         (lambda: topo.ring(2.0), r"^n must be an int >= 1, got float"),
@@ -334,6 +430,11 @@ def test_build_and_registry():
         (lambda: topo.exponential(4, symmetric=False, weights="metropolis"), r"weights must be 'uniform'"),
         (lambda: topo.hypercube(6), r"n must be a power of two .* got 6"),
         (lambda: topo.one_peer_exponential(12), r"n must be a power of two .* got 12"),
+        (lambda: topo.one_peer_hypercube(12),
+         r"^n must be a power of two \(1, 2, 4, 8, \.\.\.\) for one_peer_hypercube, got 12$"),
+        (lambda: topo.one_peer_hypercube(0), r"^n must be an int >= 1, got 0"),
+        (lambda: topo.alternating_ring(0), r"^n must be an int >= 1, got 0"),
+        (lambda: topo.alternating_ring(2.0), r"^n must be an int >= 1, got float"),
         (lambda: topo.random_regular(5, 3), r"n \* degree must be even.*n=5, degree=3"),
         (lambda: topo.random_regular(4, 4), r"degree must be an int in \[0, 4\), got 4"),
         (lambda: topo.random_regular(4, -1), r"degree must be"),

@@ -12,8 +12,9 @@ Two modules, re-exported here (``topology.ring(8)``, ``from mpicomm.topology imp
 
 * :mod:`.mixing`: the :class:`Topology` and :class:`Schedule` types, :func:`from_matrix` for a user's
   doubly stochastic ``W``, and the checks on a matrix (stochasticity, connectivity, spectral gap).
-* :mod:`.graphs`: the graph families (:func:`ring`, :func:`torus`, :func:`exponential`, ...), their weight
-  rules, and :func:`build` from a name in :data:`TOPOLOGIES`.
+* :mod:`.graphs`: the graph families (:func:`ring`, :func:`torus`, :func:`exponential`, ..., and the one-peer
+  schedules such as :func:`alternating_ring`), their weight rules, and :func:`build` from a name in
+  :data:`TOPOLOGIES`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from .graphs import (
     TOPOLOGIES,
     WEIGHT_RULES,
+    alternating_ring,
     build,
     complete,
     default_degree,
@@ -28,6 +30,7 @@ from .graphs import (
     from_edges,
     hypercube,
     one_peer_exponential,
+    one_peer_hypercube,
     random_regular,
     ring,
     ring_degree,
@@ -41,6 +44,7 @@ __all__ = [
     "WEIGHT_RULES",
     "Schedule",
     "Topology",
+    "alternating_ring",
     "build",
     "complete",
     "default_degree",
@@ -49,6 +53,7 @@ __all__ = [
     "from_matrix",
     "hypercube",
     "one_peer_exponential",
+    "one_peer_hypercube",
     "random_regular",
     "ring",
     "ring_degree",

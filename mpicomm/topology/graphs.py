@@ -1,7 +1,7 @@
 """The graph families: builders of doubly stochastic mixing matrices, and the registry that names them.
 
-Every builder returns a :class:`~mpicomm.topology.mixing.Topology` (or, for the one-peer exponential
-graph, a :class:`~mpicomm.topology.mixing.Schedule`) whose ``W`` is doubly stochastic (rows and columns
+Every builder returns a :class:`~mpicomm.topology.mixing.Topology` (or, for the one-peer graphs, a
+:class:`~mpicomm.topology.mixing.Schedule`) whose ``W`` is doubly stochastic (rows and columns
 sum to 1), so gossip preserves the average. :func:`build` makes one from its name in :data:`TOPOLOGIES`.
 
 Weights for an undirected graph (d_i = degree of i, D = max_i d_i), with W_ii = 1 - sum_{j != i} W_ij:
@@ -15,6 +15,10 @@ iterations for distributed averaging", Systems & Control Letters 53, 2004).
 Exponential graphs and the one-peer schedule follow B. Ying, K. Yuan, Y. Chen, H. Hu, P. Pan, W. Yin,
 "Exponential Graph is Provably Efficient for Decentralized Deep Training", NeurIPS 2021: for n a power of
 two the product of the one-peer matrices over one period is exactly ``11^T/n``.
+
+The pairwise one-peer schedules (:func:`alternating_ring`, :func:`one_peer_hypercube`) pair the ranks up at
+every step: each rank exchanges with exactly one partner and keeps ``W_ii = W_ij = 1/2``, so each step's W
+is symmetric and doubly stochastic and a rank sends one model per step (half a static ring's bytes, n > 2).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .mixing import Schedule, Topology, _check_int, _strongly_connected, from_ma
 __all__ = [
     "TOPOLOGIES",
     "WEIGHT_RULES",
+    "alternating_ring",
     "build",
     "complete",
     "default_degree",
@@ -38,6 +43,7 @@ __all__ = [
     "from_edges",
     "hypercube",
     "one_peer_exponential",
+    "one_peer_hypercube",
     "random_regular",
     "ring",
     "ring_degree",
@@ -287,6 +293,63 @@ def one_peer_exponential(n: int) -> Schedule:
     return Schedule(tuple(steps), name)
 
 
+def _pairing(n: int, pairs, name: str) -> Topology:
+    """One step of a pairwise schedule: ``W_ii = W_ij = 1/2`` for each pair (i, j), ``W_kk = 1`` for a rank
+    in no pair. The pairs must be disjoint."""
+    W = np.eye(n)
+    for a, b in pairs:
+        W[a, a] = W[b, b] = W[a, b] = W[b, a] = 0.5
+    return from_matrix(W, name)
+
+
+def alternating_ring(n: int) -> Schedule:
+    """One-peer ring: the ring's edges split into two pairings that alternate, one partner per rank per step.
+
+    Step ``2t`` uses the *even* pairing (0, 1), (2, 3), (4, 5), ...; step ``2t + 1`` the *odd* pairing (1, 2),
+    (3, 4), ..., (n - 1, 0). Partners average, ``W_ii = W_ij = 1/2``, so every step's W is symmetric and
+    doubly stochastic and a rank sends its model to one peer per step, where :func:`ring` sends it to two.
+    These are the two pairings of decent-dp 0.2.3's ``ring`` topology (``RingTopology`` in
+    ``src/decent_dp/topo.py`` of github.com/WangZesen/Decent-DP: pairs (i, i + 1), then (i, i - 1), for even
+    i, weight 0.5), up to which pairing a run starts with. The steps are named ``alternating_ring(n)[even]``
+    and ``alternating_ring(n)[odd]``.
+
+    Odd n (decent-dp refuses it): the pairings cannot cover every rank, so one rank sits out each step and
+    keeps its model (``W_ii = 1``): rank n - 1 in the even pairing, rank 0 in the odd one (which pairs (1, 2),
+    ..., (n - 2, n - 1)). The edge (n - 1, 0) is then never used; the union of the two pairings is the path
+    0 - 1 - ... - n - 1, connected, so the product over a period still has a positive spectral gap (smaller
+    than the ring's). n = 2: both pairings are the single edge (0, 1). n = 1: one step, ``W = [1]``.
+    """
+    n = _check_size(n)
+    name = _label("alternating_ring", n)
+    if n == 1:
+        return Schedule((from_matrix(np.ones((1, 1)), f"{name}[even]"),), name)
+    even = [(i, i + 1) for i in range(0, n - 1, 2)]
+    odd = [(i, (i + 1) % n) for i in range(1, n if n % 2 == 0 else n - 1, 2)]
+    return Schedule((_pairing(n, even, f"{name}[even]"), _pairing(n, odd, f"{name}[odd]")), name)
+
+
+def one_peer_hypercube(n: int) -> Schedule:
+    """Pairwise one-peer exponential graph on n = 2^k ranks: at step t, ``i`` pairs with ``i XOR 2^(t mod k)``.
+
+    Each step is a perfect matching along one dimension of the hypercube, ``W_ii = W_ij = 1/2`` (symmetric,
+    doubly stochastic, one partner per rank). The product over one period of k steps is exactly ``11^T / n``
+    (each step averages the pairs along one dimension), as for :func:`one_peer_exponential`, but every
+    exchange is a swap between two ranks rather than a shift around the ring. Steps are named
+    ``one_peer_hypercube(n)[d]``, d the dimension.
+    """
+    n = _check_size(n)
+    if not _is_power_of_two(n):
+        raise ValueError(f"n must be a power of two (1, 2, 4, 8, ...) for one_peer_hypercube, got {n}")
+    name = _label("one_peer_hypercube", n)
+    if n == 1:
+        return Schedule((from_matrix(np.ones((1, 1)), f"{name}[0]"),), name)
+    steps = []
+    for d in range(n.bit_length() - 1):
+        pairs = [(i, i ^ (1 << d)) for i in range(n) if not i & (1 << d)]
+        steps.append(_pairing(n, pairs, f"{name}[{d}]"))
+    return Schedule(tuple(steps), name)
+
+
 TOPOLOGIES: dict[str, Callable[..., Union[Topology, Schedule]]] = {
     "ring": ring,
     "torus": torus,
@@ -296,6 +359,8 @@ TOPOLOGIES: dict[str, Callable[..., Union[Topology, Schedule]]] = {
     "star": star,
     "random_regular": random_regular,
     "one_peer_exponential": one_peer_exponential,
+    "alternating_ring": alternating_ring,
+    "one_peer_hypercube": one_peer_hypercube,
 }
 
 
