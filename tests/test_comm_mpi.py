@@ -19,11 +19,11 @@ pytestmark = pytest.mark.mpi
 
 
 def _topologies(n):
-    out = [topo.ring(n), topo.exponential(n), topo.complete(n)]
+    out = [topo.ring(n), topo.exponential(n), topo.complete(n), topo.alternating_ring(n)]  # odd n: one sits out
     if n == 4:
         out.append(topo.torus(4, rows=2))
     if n & (n - 1) == 0:
-        out.append(topo.one_peer_exponential(n))
+        out += [topo.one_peer_exponential(n), topo.one_peer_hypercube(n)]
     return out
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mpicomm import topology as topo
 from mpicomm.algorithms import make_algorithm
 from mpicomm.comm import Communicator
 
@@ -35,6 +36,36 @@ def test_dpsgd_matches_reference(comm, momentum):
             torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
             d = algo.flat.numel
             assert algo.stats()["step_bytes_sent"] == 4 * d * len(c.out_neighbors(4)), schedule.name
+
+    run_all(comm, body)
+
+
+def _one_peer_schedules(n):
+    """The pairwise one-peer schedules at ``n`` ranks: the alternating ring (at an odd count one rank sits
+    each step out) and, at a power of two, the one-peer hypercube."""
+    out = [topo.alternating_ring(n)]
+    if n & (n - 1) == 0:
+        out.append(topo.one_peer_hypercube(n))
+    return out
+
+
+def test_dpsgd_one_peer_schedules_match_reference(comm):
+    """D-PSGD on a pairwise schedule applies that step's W (one partner, weight 1/2) on every rank, and a rank
+    sends its model to that one partner only: half a static ring's bytes, none for a rank that sits out."""
+    def body():
+        for schedule in _one_peer_schedules(comm.Get_size()):
+            c = Communicator(comm, schedule)
+            algo = make_algorithm("dpsgd", make_model(seed=comm.Get_rank()), c, lr=0.1, momentum=0.9)
+            sent = []
+            for _ in range(5):
+                train(algo, 1)
+                sent.append(algo.stats()["step_bytes_sent"])
+            expected = reference_dpsgd(schedule, 5, 0.1, 0.9)[c.rank]
+            torch.testing.assert_close(algo.flat.data, expected, rtol=1e-5, atol=1e-6)
+            d = algo.flat.numel
+            peers = [len(schedule.at(step).out_neighbors(c.rank)) for step in range(5)]
+            assert all(p <= 1 for p in peers), schedule.name
+            assert sent == [4 * d * p for p in peers], (schedule.name, sent, peers)
 
     run_all(comm, body)
 
