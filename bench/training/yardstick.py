@@ -13,10 +13,13 @@ set is the same in every run (MNIST-1D's fixed seed); ``--seed`` moves the initi
 order and the methods' own draws. The table gives each row's final test accuracy of the averaged model as the
 mean ± sample standard deviation over the seeds, every seed's value, the bytes per parameter per step that
 rank 0 handed to MPI (its ``bytes_contributed`` over the run, initial broadcast excluded, per step, over the
-parameter count) and the app's wall seconds per run. A finished run of the same command is reused
-(``--fresh`` reruns it); a run that exits with an error is listed as failed. Writes
-``docs/results/<name>.{md,json}`` with the command that produced it; the runs go to
-``bench/results/runs/yardstick/``. Run it niced; it enters a loopback namespace when root.
+parameter count: one copy of what it sends), the bytes it sent over its links per parameter per step (its
+``bytes_sent``: each copy to each peer counted), the final consensus distance (at the app's last evaluation,
+``sqrt(mean_i ||x_i - x̄||^2)``: how far apart the ranks' models are; 0 for the centralized methods) as the mean
+over the seeds, and the app's wall seconds per run. A finished run of the same command is reused (``--fresh``
+reruns it); a run that exits with an error is listed as failed. Writes ``docs/results/<name>.{md,json}`` with
+the command that produced it; the runs go to ``bench/results/runs/yardstick/``. Run it niced; it enters a
+loopback namespace when root.
 """
 
 from __future__ import annotations
@@ -60,18 +63,25 @@ def run_one(entry: str, seed: int, ranks: int, epochs: int, fresh: bool) -> dict
         return {"seed": seed, "failed": True}
     return {"seed": seed, "failed": False, "test_accuracy": run.end["test_accuracy"], "steps": run.end["step"],
             "bytes_per_parameter_per_step": run.traffic_per_step("bytes_contributed") / run.start["parameters"],
+            "bytes_sent_per_parameter_per_step": run.traffic_per_step("bytes_sent") / run.start["parameters"],
+            "consensus_distance": run.end.get("consensus_distance"),
             "app_wall_s": run.end["wall_s"], "launch_s": time.perf_counter() - t0}
 
 
 def summary(runs: list[dict]) -> dict:
-    """Mean and sample standard deviation (None below 2 runs) of the finished runs' accuracy, and their traffic."""
+    """Mean and sample standard deviation (None below 2 runs) of the finished runs' accuracy, and their traffic and
+    final consensus distance (None where no finished run recorded one)."""
     done = [r for r in runs if not r["failed"]]
     accuracies = [r["test_accuracy"] for r in done]
+    distances = [r["consensus_distance"] for r in done if r.get("consensus_distance") is not None]
     return {"finished": len(done), "failed": len(runs) - len(done),
             "mean": statistics.fmean(accuracies) if done else None,
             "std": statistics.stdev(accuracies) if len(done) > 1 else None,
             "bytes_per_parameter_per_step": statistics.fmean(r["bytes_per_parameter_per_step"] for r in done)
             if done else None,
+            "bytes_sent_per_parameter_per_step": statistics.fmean(r["bytes_sent_per_parameter_per_step"]
+                                                                  for r in done) if done else None,
+            "consensus_distance": statistics.fmean(distances) if distances else None,
             "app_wall_s": statistics.fmean(r["app_wall_s"] for r in done) if done else None}
 
 
@@ -83,11 +93,13 @@ def table(results: dict[str, list[dict]]) -> str:
         mean = "–" if s["mean"] is None else f"{100 * s['mean']:.2f} %"
         spread = "–" if s["std"] is None else f"± {100 * s['std']:.2f}"
         seeds = ", ".join("failed" if r["failed"] else f"{100 * r['test_accuracy']:.2f}" for r in runs)
-        traffic = "–" if s["bytes_per_parameter_per_step"] is None else f"{s['bytes_per_parameter_per_step']:.3g}"
+        traffic, sent, consensus = (
+            "–" if s[key] is None else f"{s[key]:.3g}"
+            for key in ("bytes_per_parameter_per_step", "bytes_sent_per_parameter_per_step", "consensus_distance"))
         wall = "–" if s["app_wall_s"] is None else f"{s['app_wall_s']:.0f}"
-        rows.append([f"`{entry}`", mean, spread, seeds, traffic, wall])
+        rows.append([f"`{entry}`", mean, spread, seeds, traffic, sent, consensus, wall])
     return markdown_table(["method", "test accuracy (mean)", "std over seeds", "per seed", "bytes / parameter / step",
-                           "wall s per run"], rows)
+                           "bytes sent / parameter / step", "consensus distance", "wall s per run"], rows)
 
 
 def add_table_options(p: argparse.ArgumentParser, methods: str, name: str) -> None:
@@ -121,9 +133,12 @@ def main() -> None:
              f"{args.epochs}` on {args.ranks} ranks (the 1-D CNN, batch 32 per rank, the app's defaults otherwise); "
              f"seeds {args.seeds}. Accuracy: the averaged model's final test accuracy on the 10,000 test "
              "sequences; std: the sample standard deviation over the seeds; bytes / parameter / step: what rank 0 "
-             "handed to MPI per step over the parameter count; wall: the app's own seconds per run, as loaded as "
-             f"the machine was (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores when the table "
-             "was written; a reused run keeps the seconds of its own time).")
+             "handed to MPI per step over the parameter count; bytes sent: what rank 0 sent over its links per "
+             "step over the parameter count (each copy to each peer counted); consensus distance: "
+             "sqrt(mean_i ||x_i - x̄||^2) of the ranks' models at the final evaluation, mean over the seeds; wall: "
+             "the app's own seconds per run, "
+             f"as loaded as the machine was (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores when "
+             "the table was written; a reused run keeps the seconds of its own time).")
     write_table(args.name, f"MNIST-1D at {args.ranks} ranks, {args.epochs} epochs, {len(seeds)} seed(s)",
                 f"{intro}\n\n{table(results)}",
                 {"command": command, "ranks": args.ranks, "epochs": args.epochs, "seeds": seeds,
