@@ -21,25 +21,34 @@ from .moniqua_reference import LAYER_SIZES, ReferenceTheta, reference_mix, spect
 pytestmark = pytest.mark.mpi
 
 
-def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0, per="tensor", rounding="dither"):
+def reference_moniqua(schedule, steps, lr, bits, parts, gamma, theta=None, c=1.0, per="tensor", rounding="dither",
+                      late=False):
     """Moniqua for every rank: theta from the previous step's statistics, mix the parts, then x -= lr g.
     Yields the (n, d) models after each of the ``steps`` steps.
 
-    theta: None (adaptive), "observed" or a fixed number."""
+    theta: None (adaptive), "observed" or a fixed number. late: the statistics of step t are folded in at step
+    t + 1, after that step's mix (``overlap=True``: theta one step older)."""
     n = schedule.size
     x = initial_flat().repeat(n, 1)
     observed = theta == "observed"
     fixed = None if observed else theta
     t_mix = spectral_t_mix(schedule.at(0).W, gamma) if fixed is None else 1.0
     rule = ReferenceTheta(fixed, c, per, parts, t_mix, observed=observed)
+    earlier = None
     for t in range(steps):
         g = torch.stack([grad_at(x[r], r, t) for r in range(n)])
         if t == 0:
             rule.observe(x, lr * g)
         mixed, distance = reference_mix(x, mixing(schedule, t), t, rule.theta(), bits, parts, gamma, rounding)
-        rule.observe(x, lr * g)
-        if observed:
-            rule.observe_distance(distance)
+        if late and earlier is not None:
+            rule.observe(*earlier[:2])
+            if observed:
+                rule.observe_distance(earlier[2])
+        earlier = (x, lr * g, distance)
+        if not late:
+            rule.observe(x, lr * g)
+            if observed:
+                rule.observe_distance(distance)
         x = mixed - lr * g
         yield x
 
@@ -68,6 +77,33 @@ def test_moniqua_matches_reference(comm, bits, parts, gamma, theta, per, roundin
                 assert algo.stats()["wrapped_parts"] == 0, (schedule.name, algo.stats())
                 torch.testing.assert_close(algo.flat.data, expected[c_.rank], rtol=1e-5, atol=1e-6,
                                            msg=f"{schedule.name} step {step}")
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("bits,parts,gamma,theta,per,rounding", [
+    (4, 4, 1.0, None, "tensor", "dither"),
+    (4, 4, 1.0, "observed", "tensor", "dither"),
+    (1, 1, 0.5, None, "model", "nearest"),  # the paper's form
+])
+def test_overlap_matches_the_reference_with_theta_one_step_older(comm, bits, parts, gamma, theta, per, rounding):
+    """overlap=True (exchange posted in begin_step, agreement settled one step later) against the reference whose
+    theta folds each step's statistics in one step late."""
+    def body():
+        schedule = topologies_for(comm.Get_size())[0]
+        c_ = Communicator(comm, schedule)
+        options = dict(theta="adaptive") if theta is None else dict(theta=theta)
+        algo = make_algorithm("moniqua", make_model(seed=comm.Get_rank()), c_, lr=0.1, bits=bits, parts=parts,
+                              gamma=gamma, theta_per=per, rounding=rounding, overlap=True, **options)
+        reference = reference_moniqua(schedule, 6, 0.1, bits, parts, gamma, theta, per=per, rounding=rounding,
+                                      late=True)
+        for step, expected in enumerate(reference, start=1):
+            algo.begin_step()
+            train(algo, 1)
+            assert algo.stats()["wrapped_parts"] == 0, algo.stats()
+            torch.testing.assert_close(algo.flat.data, expected[c_.rank], rtol=1e-5, atol=1e-6,
+                                       msg=f"{schedule.name} step {step}")
+        algo.close()
 
     run_all(comm, body)
 
@@ -251,6 +287,39 @@ def test_guard_resync_mixes_the_wrapped_part_at_full_precision(comm):
         algo.gossip.mix(x, 0, torch.zeros(len(LAYER_SIZES)))
         assert algo.stats()["resyncs"] == 1
         torch.testing.assert_close(x[a:b], expected, rtol=1e-6, atol=1e-7)
+
+    run_all(comm, body)
+
+
+@pytest.mark.parametrize("guard", ["skip", "resync"])
+def test_overlap_settles_a_wrap_one_step_later_as_the_blocking_guard_does(comm, guard):
+    """Rank 0's tensor 0 moved far from the others': the edges touching rank 0 wrap, rank 2's (at 4 ranks) do
+    not. Overlapped, rank 2 mixes the part at once and un-mixes it when the agreement is settled; the models then
+    equal the blocking guard's to float32 rounding (skipped or resynced), with the same record and scales, and the
+    average is kept."""
+    def body():
+        if comm.Get_size() == 1:
+            return
+        out = {}
+        for overlap in (False, True):
+            schedule = topologies_for(comm.Get_size())[0]
+            algo = make_algorithm("moniqua", make_model(seed=comm.Get_rank()), Communicator(comm, schedule),
+                                  lr=0.1, theta=5.0, parts=2, guard=guard, broadcast_init=False, overlap=overlap)
+            x = algo.flat.data
+            if comm.Get_rank() == 0:
+                x[:LAYER_SIZES[0]] += 37.25
+            total_before = comm.allreduce(x.double().numpy())
+            wrapped = algo.gossip.mix(x, 0, torch.zeros(len(LAYER_SIZES)))
+            if overlap:
+                assert not wrapped and algo.stats()["wrapped_parts"] == 0  # known one step later
+                wrapped = algo.gossip.settle(x)
+            assert wrapped and algo.stats()["wrapped_parts"] == 1, algo.stats()
+            total_after = comm.allreduce(x.double().numpy())
+            assert abs(total_after - total_before).max() < 1e-4
+            out[overlap] = x.clone(), algo.gossip.rule.scale.clone(), algo.stats()["resyncs"]
+            algo.close()
+        torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-5)
+        assert torch.equal(out[True][1], out[False][1]) and out[True][2] == out[False][2] == (guard == "resync")
 
     run_all(comm, body)
 

@@ -92,10 +92,11 @@ class MoniquaConfig(AlgorithmConfig):
 class MoniquaDPSGDConfig(NodeGraphConfig, MoniquaConfig):
     """Moniqua (on D-PSGD) options: those above, overlap, hierarchical and node_topology.
 
-    overlap: encode and send the model in begin_step(), before the forward pass, and finish the mix in
-    step() (bit for bit the blocking step; the first step under an adaptive or observed theta exchanges
-    blocking). hierarchical: the node's exact average, then Moniqua's round between nodes on each local
-    rank's shard (not with overlap).
+    overlap: encode and send the model in begin_step(), before the forward pass, finish the mix in step()
+    and settle its agreement (wrapped parts, theta's inputs) one step later, so nothing in step() waits for
+    the network; theta is then one step older (with a fixed theta and no wrap, bit for bit the blocking
+    step). The first step under an adaptive or observed theta exchanges blocking. hierarchical: the node's
+    exact average, then Moniqua's round between nodes on each local rank's shard (not with overlap).
     """
 
     # Moniqua-D² and Moniqua-AD-PSGD have no such option: D² sends x_{k+1/2}, which needs the gradient, and

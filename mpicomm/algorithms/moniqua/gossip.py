@@ -7,7 +7,8 @@ Step k (W the mixing matrix of ``comm.topology(k)``, S_l the part of tensor l se
     w_l = max over ranks and edges of [fingerprint mismatch on S_l]  (one allreduce(max) with theta's inputs)
     x_i[S_l] += gamma sum_j W_ij (x̂_j - x̂_i)                        only for tensors with w_l = 0 (then mix)
 
-The guard's options and why the average stays exact: ``docs/algorithms/moniqua.md``.
+With ``overlap`` the allreduce is posted at step k and settled at step k + 1 (:mod:`.deferred`). The guard's
+options and why the average stays exact: ``docs/algorithms/moniqua.md``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from ...codecs.moniqua import MoniquaCodec
 from ..shared.gossip import gossip_average
 from .config import IDENTITY_BITS, MoniquaConfig
+from .deferred import DeferredAgreement
 from .guard import GuardRecord, ThetaBoundError, resync_parts
 from .theta import TensorTheta, local_step_sizes, mixing_time, tensor_inf
 
@@ -33,6 +35,7 @@ class ModuloGossip:
         self.comm, self.config, self.gamma = comm, config, config.gamma
         self.identity = config.bits == IDENTITY_BITS
         self.record = GuardRecord([layer.name for layer in flat.layers])
+        self.deferred: DeferredAgreement | None = None
         if self.identity:
             return
         device = flat.data.device
@@ -41,6 +44,8 @@ class ModuloGossip:
         self.layout = self.codec.layout
         self.rule = TensorTheta(self.layout.count, config, config.parts * mixing_time(comm.schedule, config.gamma))
         self.send = torch.zeros(self.layout.message_bytes, dtype=torch.uint8, device=device)
+        if getattr(config, "overlap", False):
+            self.deferred = DeferredAgreement(self.layout.count)
 
     def step_sizes(self, grad: torch.Tensor, lr: float, optimizer=None) -> torch.Tensor:
         """``||lr (mu buf + grad)_l||_inf`` per tensor: the local step about to be taken (theta's statistic)."""
@@ -98,24 +103,65 @@ class ModuloGossip:
         weights = topo.neighbor_weights(rank)
         local = self.codec.recover(rows, weights, increment, observed=self.rule.observed).cpu()
         count = self.layout.count
-        agreed = self._agree(torch.cat([local[:count], statistic, local[count:]]))
+        values = torch.cat([local[:count], statistic, local[count:]])
+        spans = [(start, stop, position) for (start, stop), position in zip(self.layout.parts_at(step),
+                                                                            self.layout.positions)]
+        if self.deferred is not None:  # overlap: settle step k - 1's agreement, mix, post this step's
+            wrapped_before = self.settle(x)
+            mine = local[:count] > 0
+            self._apply(x, increment, spans, mine)
+            self.deferred.post(self.comm, values, mine, increment, spans, step)
+            return wrapped_before
+        agreed = self._agree(values)
         wrapped = agreed[:count] > 0
+        self._observe(agreed, wrapped)
+        self._check_raise(step, wrapped)
+        self._apply(x, increment, spans, wrapped)
+        self._after_guard(x, step, wrapped)
+        return bool(wrapped.any())
+
+    def settle(self, x: torch.Tensor, resync: bool = True) -> bool:
+        """Under ``overlap``: apply the agreement of the last mixing step, if one is pending (waiting for it):
+        theta's inputs folded in, the parts that wrapped on another rank's edge un-mixed here, the guard's
+        record, resync (unless ``resync`` is False: then those parts stay unmixed) and scales. True if some
+        part wrapped. Collective over all ranks, like the step (the allreduce was posted by every rank)."""
+        taken = None if self.deferred is None else self.deferred.take()
+        if taken is None:
+            return False
+        agreed, undo, step = taken
+        wrapped = agreed[:self.layout.count] > 0
+        self._observe(agreed, wrapped)
+        self._check_raise(step, wrapped)
+        for start, stop, values in undo:
+            x[start:stop].sub_(values, alpha=self.gamma)
+        self._after_guard(x, step, wrapped, resync)
+        return bool(wrapped.any())
+
+    def _observe(self, agreed: torch.Tensor, wrapped: torch.Tensor) -> None:
+        count = self.layout.count
         self.rule.observe(agreed[count:2 * count])
         if self.rule.observed:
             self.rule.observe_distance(agreed[2 * count:], wrapped)
-        flags = wrapped.tolist()
-        if any(flags) and self.config.guard == "raise":
+
+    def _check_raise(self, step: int, wrapped: torch.Tensor) -> None:
+        if self.config.guard == "raise" and bool(wrapped.any()):
             raise ThetaBoundError(self.record.describe(step, wrapped) + "; raise theta or theta_c, or use guard='skip'")
-        for flag, (start, stop), position in zip(flags, self.layout.parts_at(step), self.layout.positions):
+
+    def _apply(self, x: torch.Tensor, increment: torch.Tensor, spans, skipped: torch.Tensor) -> None:
+        """``x[S_l] += gamma inc_l`` for every tensor l not ``skipped`` (bool per tensor)."""
+        for flag, (start, stop, position) in zip(skipped.tolist(), spans):
             if not flag:
                 x[start:stop].add_(increment[position:position + stop - start], alpha=self.gamma)
+
+    def _after_guard(self, x: torch.Tensor, step: int, wrapped: torch.Tensor, resync: bool = True) -> None:
+        """Record the wrapped parts of ``step``, resync them (guard "resync"), and update the guard's scales."""
+        flags = wrapped.tolist()
         if any(flags):
             self.record.add(wrapped)
-            if self.config.guard == "resync":
+            if self.config.guard == "resync" and resync:
                 resync_parts(self.comm, x, step, [self.layout.part(t, step) for t, w in enumerate(flags) if w])
                 self.record.resyncs += 1
         self.rule.guard(wrapped)
-        return any(flags)
 
     def _agree(self, values: torch.Tensor) -> torch.Tensor:
         return self.comm.allreduce(values.to(torch.float32).clone(), "max").double()
@@ -148,6 +194,8 @@ class ModuloGossip:
             out["rule"] = self.rule.state_dict()
             if self.codec.noise is not None:
                 out["noise"] = self.codec.noise.state_dict()
+        if self.deferred is not None:
+            out["deferred"] = self.deferred.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,3 +205,5 @@ class ModuloGossip:
             self.rule.load_state_dict(state["rule"])
             if self.codec.noise is not None:
                 self.codec.noise.load_state_dict(state["noise"])
+        if self.deferred is not None and "deferred" in state:  # absent: saved without overlap, nothing pending
+            self.deferred.load_state_dict(state["deferred"])

@@ -16,13 +16,13 @@ rounding="nearest", gamma=0.5``;
 ``bits=32, parts=1, gamma=1`` is ``dpsgd`` bit for bit.
 
 ``overlap=True`` encodes and posts the message of step k in ``begin_step()``, before the forward pass:
-theta_k is computed from what steps before k agreed (theta's running bound folds in step k's statistic,
-the local step's size, only after step k's message is encoded, for use from step k + 1), so the message
-depends on x(k) alone and the result is bit for bit the blocking step's. The one exception is the first
-step under theta="adaptive" or "observed": no statistic has been agreed yet, theta needs the gradient of
-that step, and that step exchanges blocking (also bit for bit the same). The guard's agreement (wrapped
-parts, theta's inputs) stays a blocking allreduce in ``step()``: it needs the received codes and the
-gradient. Convergence with rotating parts, the guard, the
+theta_k is computed from what steps before k agreed, so the message depends on x(k) alone. The agreement
+of step k (wrapped parts, theta's inputs: one small allreduce that needs the received codes) is posted at
+the end of step k and settled at step k + 1, after its forward and backward pass (:mod:`.deferred`): theta
+is one step older than the blocking step's, and a part that wrapped on another rank's edge is un-mixed one
+step later. With a fixed theta and nothing wrapped the result is the blocking step's bit for bit. The
+first step under theta="adaptive" or "observed" exchanges blocking (theta needs that step's gradient).
+Convergence with rotating parts, the guard, the
 work, memory and traffic per step: ``docs/algorithms/moniqua.md``.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.resize_rules import rebuilt_for_new_graph
 from ..base import Algorithm, clone_optimizer_state
 from ..shared.hierarchy import node_gossip_for
 from .config import MoniquaDPSGDConfig
@@ -84,9 +85,17 @@ class Moniqua(Algorithm):
         return self.gossip.metrics()
 
     def close(self) -> None:
-        """Summarise the guard once (rank 0), then close."""
+        """Settle a pending agreement (``overlap``; a wrapped part is left unmixed, not resynced), summarise the
+        guard once (rank 0), then close."""
+        if self.node_modulo is None:
+            self.gossip.settle(self.flat.data, resync=False)
         self.gossip.close()
         super().close()
+
+    def _resize_rules(self):
+        """A pending agreement (``overlap``) belongs to the old graph: the new one starts with none."""
+        rules = super()._resize_rules()
+        return {**rules, "extra.gossip.deferred": rebuilt_for_new_graph} if self.gossip.deferred is not None else rules
 
     def _extra_state(self):
         return {"optimizer": clone_optimizer_state(self.optimizer), "gossip": self.gossip.state_dict()}
