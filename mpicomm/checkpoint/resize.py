@@ -63,16 +63,45 @@ def _read_whole(tree):
     return tree
 
 
+def _parameters_in_place(new: dict, algo) -> dict:
+    """``new`` (a state built by :meth:`reshard_state`) with its parameters, and its frozen ones, copied into the
+    algorithm's own tensors and replaced by them.
+
+    The tensors the rules assembled are freed before ``load_state_dict`` loads the optimizer state, which the
+    optimizers copy again as they load it: without this the assembled parameters stay alive beside both copies
+    of that state, one more tensor of the model's size at the restore's peak. ``load_state_dict`` then copies
+    each of these tensors onto itself, which torch skips. Entries of another size (refused by
+    ``load_state_dict``) are left as they are, and the algorithm's are not touched."""
+    params, flat = new.get("params"), algo.flat.data
+    if not torch.is_tensor(params) or params.numel() != flat.numel() or params is flat:
+        return new
+    frozen, own = new.get("frozen") or {}, algo.flat.frozen
+    if frozen and (set(frozen) != set(own) or any(
+            not torch.is_tensor(v) or v.numel() != own[k].numel() for k, v in frozen.items())):
+        return new
+    with torch.no_grad():
+        flat.copy_(params.reshape(flat.shape))
+        for name, value in frozen.items():
+            own[name].copy_(value.reshape(own[name].shape))
+    return {**new, "params": flat, **({"frozen": {name: own[name] for name in frozen}} if frozen else {})}
+
+
 def load_resized(states: list[dict], algo, step: int, places: list[int] | None = None) -> dict:
     """Build this rank's state from the N saved ``states`` (each with ``algorithm``, ``buffers``, ``rng``; large
     tensors may be lazy, read a slice at a time) and load the algorithm, the buffers and the generators
     (``places``: each state's rank in the world that saved it, when some of its states are missing); returns
     old rank r's state for the rest (r < N; rank 0's otherwise) without its ``algorithm`` and ``buffers``, on
     this run's device. Raises ``ValueError`` where the method cannot continue (not collective: the caller
-    agrees)."""
+    agrees).
+
+    Memory: the rules hold this rank's new state, the algorithm's own as built (its ``state_dict()``) and one
+    slice of one saved entry; the new parameters then go straight into the algorithm's flat buffer, so that
+    loading the rest (an optimizer copies its state as it loads it) holds the new optimizer state twice at most,
+    as a restore at the saved size does."""
     device = algo.flat.data.device
     rank, size = algo.comm.rank, algo.comm.size
-    new = map_location(algo.reshard_state([s["algorithm"] for s in states], places), device)
+    new = _parameters_in_place(algo.reshard_state([s["algorithm"] for s in states], places), algo)
+    new = map_location(new, device)
     buffers = _buffers([s["buffers"] for s in states], algo.model, rank, size)
     algo.load_state_dict(new)
     del new

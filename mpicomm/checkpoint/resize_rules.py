@@ -57,8 +57,9 @@ __all__ = ["ONEBIT_RULES", "SLICE_ELEMENTS", "Resize", "agreed", "agreed_or_merg
            "onebit_server_errors", "onebit_worker_errors", "own_rank", "public_copies", "rebuilt_for_new_graph",
            "replica_mean", "reshard_tree", "residual_mean", "saved_rank0", "sharded_optimizer_state"]
 
-SLICE_ELEMENTS = 1 << 22
-"""Elements of one saved entry read and folded at a time (16 MiB of float32)."""
+SLICE_ELEMENTS = 1 << 20
+"""Elements of one saved entry read and folded at a time: 4 MiB of float32, one chunk of a flat float32 tensor
+in its file (:mod:`~mpicomm.checkpoint.tree` writes chunks of 4 MiB), 8 MiB summed in float64."""
 
 
 @dataclass
