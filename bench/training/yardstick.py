@@ -15,8 +15,9 @@ mean ± sample standard deviation over the seeds, every seed's value, the bytes 
 rank 0 handed to MPI (its ``bytes_contributed`` over the run, initial broadcast excluded, per step, over the
 parameter count: one copy of what it sends), the bytes it sent over its links per parameter per step (its
 ``bytes_sent``: each copy to each peer counted), the final consensus distance (at the app's last evaluation,
-``sqrt(mean_i ||x_i - x̄||^2)``: how far apart the ranks' models are; 0 for the centralized methods) as the mean
-over the seeds, and the app's wall seconds per run. A finished run of the same command is reused (``--fresh``
+``sqrt(mean_i ||x_i - x̄||^2)``: how far apart the ranks' models are; 0 for the centralized methods; small at
+the end of a schedule that decays the lr to 0) and its mean over the run's evaluations, each the mean over the
+seeds, and the app's wall seconds per run. A finished run of the same command is reused (``--fresh``
 reruns it); a run that exits with an error is listed as failed. Writes ``docs/results/<name>.{md,json}`` with
 the command that produced it; the runs go to ``bench/results/runs/yardstick/``. Run it niced; it enters a
 loopback namespace when root.
@@ -61,19 +62,25 @@ def run_one(entry: str, seed: int, ranks: int, epochs: int, fresh: bool) -> dict
     except RuntimeError as exc:
         print(str(exc)[-2000:], flush=True)
         return {"seed": seed, "failed": True}
+    spread = [r["consensus_distance"] for r in run.records
+              if r["event"] == "eval" and r.get("consensus_distance") is not None]
     return {"seed": seed, "failed": False, "test_accuracy": run.end["test_accuracy"], "steps": run.end["step"],
             "bytes_per_parameter_per_step": run.traffic_per_step("bytes_contributed") / run.start["parameters"],
             "bytes_sent_per_parameter_per_step": run.traffic_per_step("bytes_sent") / run.start["parameters"],
             "consensus_distance": run.end.get("consensus_distance"),
+            "consensus_distance_mean": statistics.fmean(spread) if spread else None,
             "app_wall_s": run.end["wall_s"], "launch_s": time.perf_counter() - t0}
 
 
 def summary(runs: list[dict]) -> dict:
     """Mean and sample standard deviation (None below 2 runs) of the finished runs' accuracy, and their traffic and
-    final consensus distance (None where no finished run recorded one)."""
+    consensus distances (None where no finished run recorded one)."""
     done = [r for r in runs if not r["failed"]]
     accuracies = [r["test_accuracy"] for r in done]
-    distances = [r["consensus_distance"] for r in done if r.get("consensus_distance") is not None]
+
+    def mean_of(key):
+        values = [r[key] for r in done if r.get(key) is not None]
+        return statistics.fmean(values) if values else None
     return {"finished": len(done), "failed": len(runs) - len(done),
             "mean": statistics.fmean(accuracies) if done else None,
             "std": statistics.stdev(accuracies) if len(done) > 1 else None,
@@ -81,7 +88,8 @@ def summary(runs: list[dict]) -> dict:
             if done else None,
             "bytes_sent_per_parameter_per_step": statistics.fmean(r["bytes_sent_per_parameter_per_step"]
                                                                   for r in done) if done else None,
-            "consensus_distance": statistics.fmean(distances) if distances else None,
+            "consensus_distance": mean_of("consensus_distance"),
+            "consensus_distance_mean": mean_of("consensus_distance_mean"),
             "app_wall_s": statistics.fmean(r["app_wall_s"] for r in done) if done else None}
 
 
@@ -93,13 +101,16 @@ def table(results: dict[str, list[dict]]) -> str:
         mean = "–" if s["mean"] is None else f"{100 * s['mean']:.2f} %"
         spread = "–" if s["std"] is None else f"± {100 * s['std']:.2f}"
         seeds = ", ".join("failed" if r["failed"] else f"{100 * r['test_accuracy']:.2f}" for r in runs)
-        traffic, sent, consensus = (
+        traffic, sent, final, over_run = (
             "–" if s[key] is None else f"{s[key]:.3g}"
-            for key in ("bytes_per_parameter_per_step", "bytes_sent_per_parameter_per_step", "consensus_distance"))
+            for key in ("bytes_per_parameter_per_step", "bytes_sent_per_parameter_per_step", "consensus_distance",
+                        "consensus_distance_mean"))
+        consensus = f"{final} / {over_run}"
         wall = "–" if s["app_wall_s"] is None else f"{s['app_wall_s']:.0f}"
         rows.append([f"`{entry}`", mean, spread, seeds, traffic, sent, consensus, wall])
     return markdown_table(["method", "test accuracy (mean)", "std over seeds", "per seed", "bytes / parameter / step",
-                           "bytes sent / parameter / step", "consensus distance", "wall s per run"], rows)
+                           "bytes sent / parameter / step", "consensus distance: final / mean over evaluations",
+                           "wall s per run"], rows)
 
 
 def add_table_options(p: argparse.ArgumentParser, methods: str, name: str) -> None:
@@ -135,10 +146,10 @@ def main() -> None:
              "sequences; std: the sample standard deviation over the seeds; bytes / parameter / step: what rank 0 "
              "handed to MPI per step over the parameter count; bytes sent: what rank 0 sent over its links per "
              "step over the parameter count (each copy to each peer counted); consensus distance: "
-             "sqrt(mean_i ||x_i - x̄||^2) of the ranks' models at the final evaluation, mean over the seeds; wall: "
-             "the app's own seconds per run, "
-             f"as loaded as the machine was (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores when "
-             "the table was written; a reused run keeps the seconds of its own time).")
+             "sqrt(mean_i ||x_i - x̄||^2) of the ranks' models at the final evaluation (small where the lr decays to "
+             "0) / its mean over the run's evaluations, each the mean over the seeds; wall: the app's own seconds "
+             f"per run, as loaded as the machine was (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+             "cores when the table was written; a reused run keeps the seconds of its own time).")
     write_table(args.name, f"MNIST-1D at {args.ranks} ranks, {args.epochs} epochs, {len(seeds)} seed(s)",
                 f"{intro}\n\n{table(results)}",
                 {"command": command, "ranks": args.ranks, "epochs": args.epochs, "seeds": seeds,
