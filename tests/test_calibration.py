@@ -42,8 +42,12 @@ def model() -> MeasuredCostModel:
     ("allreduce", (50, 4), 1e-5),        # below the smallest size: the smallest's time
     ("allreduce", (3100, 4), 1e-4),      # beyond: 6e-5 + 1000 * 4e-8
     ("allreduce", (600, 1), 0.0),        # one rank: nothing to send
-    # 2 ranks from 4: 1.5e-5 * (1 (5e-6 + 600 * 2e-8 / 2)) / (3 (5e-6 + 600 * 2e-8 / 4)) = 1.5e-5 * 11 / 24
-    ("allreduce", (600, 2), 6.875e-6),
+    # 2 ranks from 4, 600 B <= 2 KiB (recursive doubling, ceil(log2 n) (alpha + m s)):
+    # 1.5e-5 * (1 (5e-6 + 600 * 2e-8)) / (2 (5e-6 + 600 * 2e-8)) = 1.5e-5 / 2
+    ("allreduce", (600, 2), 7.5e-6),
+    # 8 ranks from 4, 3100 B > 2 KiB (Rabenseifner, 2 ceil(log2 n) alpha + 2 (n-1)/n m s): 1e-4 * (6 * 5e-6 + 2 * 7/8
+    # * 3100 * 2e-8) / (4 * 5e-6 + 2 * 3/4 * 3100 * 2e-8) = 1e-4 * 1.385e-4 / 1.13e-4
+    ("allreduce", (3100, 8), 1e-4 * 1.385e-4 / 1.13e-4),
     ("reduce_scatter", (600, 4), 7.5e-6),  # half the allreduce
     ("allgather", (600, 4), 4e-5),       # halfway from 3e-5 to 5e-5
     ("allgather", (600, 7), 8e-5),       # scaled by (7 - 1) / (4 - 1)
@@ -67,7 +71,9 @@ def test_the_model_has_the_cost_model_s_methods_and_one_link(model):
 
     public = {name for name in dir(CostModel) if not name.startswith("_") and callable(getattr(CostModel, name))}
     assert public <= {name for name in dir(model) if callable(getattr(model, name))}
-    assert model.on("intra") is model and model.on("inter") is model
+    # inter: the tables as measured; intra: no in-node measurement here, so the modelled in-node link (pcie)
+    assert model.on("inter") is model and isinstance(model.on("intra"), CostModel)
+    assert model.on("intra").beta == pytest.approx(200e9 / 8) and model.on("intra").alpha == pytest.approx(5e-6)
     assert model.beta == pytest.approx(5e7)
 
 

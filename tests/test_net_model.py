@@ -49,7 +49,8 @@ def test_parse_net_two_link_classes(text, intra, inter):
     model = CostModel(spec)
     assert model.on("inter").beta == model.beta == inter[0] / 8 and model.on("intra").beta == intra[0] / 8
     for link, (bits, latency) in (("intra", intra), ("inter", inter)):
-        assert model.on(link).allreduce(10**6, 4) == pytest.approx(6 * latency + 1.5e6 * 8 / bits)
+        # Rabenseifner over 4 ranks: 2 ceil(log2 4) = 4 latencies + 2 * 3/4 * 1e6 bytes
+        assert model.on(link).allreduce(10**6, 4) == pytest.approx(4 * latency + 1.5e6 * 8 / bits)
 
 
 def test_one_setting_is_both_link_classes():
@@ -97,9 +98,10 @@ MODEL = CostModel(NetSpec(1e9, 1e-4))
 
 @pytest.mark.parametrize("n, m", [(2, 1_000_000), (4, 1_000_000), (8, 4096), (5, 123_457)])
 def test_collective_formulas(n, m):
-    # Written out by hand from the table in mpicomm/net/model.py.
+    # Written out by hand from the table in mpicomm/net/model.py (every m here is above 2 KiB: the allreduce is
+    # Rabenseifner's, 2 ceil(log2 n) latencies; tests/test_plan_pricing.py checks recursive doubling below).
     assert MODEL.message(m) == pytest.approx(ALPHA + m / BETA)
-    assert MODEL.allreduce(m, n) == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * m / BETA)
+    assert MODEL.allreduce(m, n) == pytest.approx(2 * math.ceil(math.log2(n)) * ALPHA + 2 * (n - 1) / n * m / BETA)
     assert MODEL.allgather(m, n) == pytest.approx((n - 1) * ALPHA + (n - 1) * m / BETA)
     assert MODEL.alltoall(m, n) == pytest.approx((n - 1) * ALPHA + (n - 1) / n * m / BETA)
     assert MODEL.bcast(m, n) == pytest.approx(math.ceil(math.log2(n)) * (ALPHA + m / BETA))
@@ -118,10 +120,10 @@ def test_one_rank_and_empty_messages_cost_nothing():
         assert cost == 0.0
 
 
-@given(st.integers(2, 64), st.integers(0, 10**9))
-def test_ring_allreduce_bandwidth_term_stays_under_two_buffers(n, m):
-    # Property of the ring formula (why rings are used): whatever n, each rank moves under 2 m bytes.
-    assert MODEL.allreduce(m, n) - 2 * (n - 1) * ALPHA <= 2 * m / BETA + 1e-12
+@given(st.integers(2, 64), st.integers(2049, 10**9))
+def test_rabenseifner_allreduce_bandwidth_term_stays_under_two_buffers(n, m):
+    # Property of the bandwidth-optimal allreduce (above 2 KiB): whatever n, each rank moves under 2 m bytes.
+    assert MODEL.allreduce(m, n) - 2 * math.ceil(math.log2(n)) * ALPHA <= 2 * m / BETA + 1e-12
 
 
 class FakeTime:

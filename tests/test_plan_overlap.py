@@ -4,8 +4,8 @@ Every case uses round numbers so the timeline can be checked on paper; nothing h
 formulas. U is 2**18 elements, 1 MiB of fp32: the least size of the first gradient bucket (DDP's rule, the
 ``OverlapConfig`` default), and 25 U the least size of the others. Buckets are cut from the last layer down,
 so backward (2/3 of the compute, making gradients at a constant rate per element, last layer first) makes
-them ready in that order. The link prices a ring allreduce of m bytes over n ranks at
-``2 (n - 1) alpha + 2 (n - 1) / n * m / beta`` (docs/network.md): at 2 ranks ``2 alpha + m / beta``.
+them ready in that order. The link prices an allreduce of m > 2 KiB bytes over n ranks as Rabenseifner's,
+``2 ceil(log2 n) alpha + 2 (n - 1) / n * m / beta`` (mpicomm/net/model.py): at 2 ranks ``2 alpha + m / beta``.
 
 Times in the docstrings are seconds from the start of backward, unless said otherwise.
 """
@@ -85,12 +85,12 @@ def test_overlap_is_left_off_where_the_bucket_latencies_cost_more_than_it_hides(
 
 def test_a_model_within_the_first_bucket_hides_nothing():
     """200,000 fp32 parameters (800,000 bytes, under the 1 MiB first bucket) at 4 ranks on ``slow`` (100 Mbit/s
-    = 12.5 MB/s, 1 ms): one allreduce, 6 x 1 ms + 1.5 x 800,000 / 12.5e6 s = 6 + 96 = 102 ms, whose single
-    bucket is ready only when backward ends, so all 102 ms are exposed however long the compute (10 s)."""
+    = 12.5 MB/s, 1 ms): one allreduce, 2 x log2 4 = 4 x 1 ms + 1.5 x 800,000 / 12.5e6 s = 4 + 96 = 100 ms, whose
+    single bucket is ready only when backward ends, so all 100 ms are exposed however long the compute (10 s)."""
     p = _predict(layers_from_params(200_000), 4, "slow", 10.0)
-    assert p.comm_s == _close(0.102)
-    assert p.exposed_overlap_s == _close(0.102)
-    assert p.step_s == _close(10.102)
+    assert p.comm_s == _close(0.100)
+    assert p.exposed_overlap_s == _close(0.100)
+    assert p.step_s == _close(10.100)
 
 
 def test_compressed_buckets_carry_their_share_of_the_payload():

@@ -33,10 +33,20 @@ barrier(n)             ``ceil(log2 n) alpha``
 =====================  ==========================================================================
 
 For ``n`` ranks other than the measured ``N`` the measured time is scaled by the ratio of CostModel's formula
-at ``n`` and at ``N`` with the same ``alpha`` and ``s``: allreduce ``(n-1)(alpha + m s / n) / ((N-1)(alpha +
-m s / N))``, allgather ``(n-1) / (N-1)``; the neighbour exchange does not depend on ``n``. One rank costs
+at ``n`` and at ``N`` with the same ``alpha`` and ``s``: allreduce :func:`~mpicomm.net.model.allreduce_seconds`
+(``ceil(log2 n) (alpha + m s)`` up to 2 KiB, ``2 ceil(log2 n) alpha + 2 (n-1)/n m s`` above) at ``n`` over the same
+at ``N``, allgather ``(n-1) / (N-1)``; the neighbour exchange does not depend on ``n``. One rank costs
 nothing. The scaled figure keeps the measured protocol's shape; it is an extrapolation, so calibrate at the
 job's rank count where it matters (the cache is per rank count).
+
+**The layout and the node.** The tables are timed on the calibration's ranks as they were placed:
+``ranks_per_node`` records how many shared a node (None: not recorded; a job's own calibration runs on its
+ranks). A flat collective over several nodes timed so already contains the node's ranks sharing its network
+card. :meth:`MeasuredCostModel.on` gives ``inter``, the measured tables, and ``intra``, the link between ranks of
+one node: the calibration's in-node measurement ``node`` (the same tables timed among the ranks of one node)
+where it has one, else the modelled link ``intra_net`` (a ``--net`` setting, :data:`DEFAULT_INTRA_NET` unless
+set: a measurement across nodes says nothing about the node's own link). :attr:`Calibration.intra_source` says
+which, and the summary line shows it.
 """
 
 from __future__ import annotations
@@ -49,9 +59,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..topology import ring_degree
+from .model import CostModel, allreduce_seconds
+from .spec import NetSpec, parse_net
 
-__all__ = ["BUDGET_S", "MEASURED_OPS", "QUICK_BUDGET_S", "Calibration", "MeasuredCostModel", "check_label",
-           "default_path", "interpolate"]
+__all__ = ["BUDGET_S", "DEFAULT_INTRA_NET", "MEASURED_OPS", "QUICK_BUDGET_S", "Calibration", "MeasuredCostModel",
+           "check_label", "default_path", "interpolate"]
 
 BUDGET_S, QUICK_BUDGET_S = 10.0, 2.0
 """About the most seconds a calibration takes by default (``quick``: the one a job runs before choosing its
@@ -59,6 +71,10 @@ method; ``mpicomm plan --calibrate --budget`` sets another); on loopback it take
 
 MEASURED_OPS = ("allreduce", "allgather", "neighbor")
 """The operations a calibration times; every other one is derived (see the module docstring)."""
+
+DEFAULT_INTRA_NET = "pcie"
+"""The modelled link between ranks of one node where a calibration has no in-node measurement (``pcie``:
+200 Gbit/s, 5 us; about the bandwidth of a shared-memory copy, and below NVLink's)."""
 
 _LABEL_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -109,8 +125,10 @@ class Calibration:
     ``tables``: operation -> ``[(bytes, seconds)]`` for at least :data:`MEASURED_OPS`; ``hidden_fraction``: the
     share (0..1) of a non-blocking ring exchange that completes while the rank computes outside MPI, None when
     not measured; ``bucket_hidden_fraction``: the same for a non-blocking allreduce (a gradient bucket), None when
-    not measured (the ring exchange's then stands for it); ``created``: when (ISO 8601, UTC). ``ValueError`` (one
-    line) for anything else.
+    not measured (the ring exchange's then stands for it); ``created``: when (ISO 8601, UTC); ``ranks_per_node``:
+    the ranks that shared a node while it was timed (None: not recorded); ``intra_net``: the modelled link (a
+    ``--net`` setting of one link) in-node calls are priced on without ``node``; ``node``: the same measurements
+    timed among the ranks of one node (a Calibration), or None. ``ValueError`` (one line) for anything else.
     """
 
     ranks: int
@@ -121,10 +139,27 @@ class Calibration:
     hidden_fraction: float | None = None
     created: str = ""
     bucket_hidden_fraction: float | None = None
+    ranks_per_node: int | None = None
+    intra_net: str = DEFAULT_INTRA_NET
+    node: Calibration | None = None
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
             raise ValueError(f"a calibration needs at least 2 ranks, got {self.ranks!r}")
+        per_node = self.ranks_per_node
+        if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int)
+                                     or not 1 <= per_node <= self.ranks):
+            raise ValueError(f"a calibration's ranks per node must be an integer in 1..{self.ranks} or None, "
+                             f"got {per_node!r}")
+        try:
+            spec = parse_net(self.intra_net) if isinstance(self.intra_net, str) else None
+        except ValueError:
+            spec = None
+        if not isinstance(spec, NetSpec):
+            raise ValueError(f"a calibration's in-node link must be a --net setting of one link (e.g. pcie, "
+                             f"nvlink, 200gbit,5us), got {self.intra_net!r}")
+        if self.node is not None and (not isinstance(self.node, Calibration) or self.node.node is not None):
+            raise ValueError("a calibration's in-node measurement must be a calibration without one of its own")
         if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ValueError(f"a calibration's latency must be a finite number of seconds >= 0, got {self.latency_s!r}")
         for name in ("hidden_fraction", "bucket_hidden_fraction"):
@@ -150,20 +185,31 @@ class Calibration:
 
     def to_json(self) -> str:
         """The calibration as a JSON text (:meth:`from_json` reads it back)."""
-        return json.dumps({"ranks": self.ranks, "transport": self.transport, "host": self.host,
-                           "latency_s": self.latency_s, "hidden_fraction": self.hidden_fraction,
-                           "bucket_hidden_fraction": self.bucket_hidden_fraction, "created": self.created,
-                           "tables": {op: [list(row) for row in rows] for op, rows in self.tables.items()}}, indent=1)
+        return json.dumps(self._data(), indent=1)
+
+    def _data(self) -> dict:
+        return {"ranks": self.ranks, "transport": self.transport, "host": self.host,
+                "latency_s": self.latency_s, "hidden_fraction": self.hidden_fraction,
+                "bucket_hidden_fraction": self.bucket_hidden_fraction, "created": self.created,
+                "ranks_per_node": self.ranks_per_node, "intra_net": self.intra_net,
+                "intra_source": self.intra_source, "node": None if self.node is None else self.node._data(),
+                "tables": {op: [list(row) for row in rows] for op, rows in self.tables.items()}}
+
+    @classmethod
+    def _from_data(cls, data: dict) -> Calibration:
+        node = data.get("node")
+        return cls(ranks=data["ranks"], transport=data["transport"], host=data["host"],
+                   latency_s=data["latency_s"], hidden_fraction=data.get("hidden_fraction"),
+                   bucket_hidden_fraction=data.get("bucket_hidden_fraction"), created=data.get("created", ""),
+                   ranks_per_node=data.get("ranks_per_node"), intra_net=data.get("intra_net", DEFAULT_INTRA_NET),
+                   node=None if node is None else cls._from_data(node),
+                   tables={op: [tuple(row) for row in rows] for op, rows in data["tables"].items()})
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         """The calibration in the JSON ``text``; ``ValueError`` (one line) when it is not one."""
         try:
-            data = json.loads(text)
-            return cls(ranks=data["ranks"], transport=data["transport"], host=data["host"],
-                       latency_s=data["latency_s"], hidden_fraction=data.get("hidden_fraction"),
-                       bucket_hidden_fraction=data.get("bucket_hidden_fraction"), created=data.get("created", ""),
-                       tables={op: [tuple(row) for row in rows] for op, rows in data["tables"].items()})
+            return cls._from_data(json.loads(text))
         except ValueError as exc:
             raise ValueError(f"not a calibration: {str(exc).splitlines()[0]}") from None
         except (KeyError, TypeError, AttributeError) as exc:
@@ -188,9 +234,18 @@ class Calibration:
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
 
-    def cost_model(self) -> MeasuredCostModel:
-        """The :class:`MeasuredCostModel` that prices with these measurements."""
-        return MeasuredCostModel(self)
+    def cost_model(self, intra: NetSpec | None = None) -> MeasuredCostModel:
+        """The :class:`MeasuredCostModel` that prices with these measurements (``intra``: the modelled in-node link
+        instead of :attr:`intra_net`, where there is no in-node measurement)."""
+        return MeasuredCostModel(self, intra)
+
+    @property
+    def intra_source(self) -> str:
+        """What in-node calls are priced on: ``measured on L ranks of one node`` or ``modelled: SETTING``."""
+        if self.node is not None:
+            return f"measured on {self.node.ranks} ranks of one node"
+        spec = parse_net(self.intra_net)
+        return f"modelled: {self.intra_net}" + ("" if str(spec) == self.intra_net else f" ({spec})")
 
     def summary(self) -> str:
         """One line: ``measured: latency X us, allreduce 8 B Y us / 1 MiB Z ms, ..., hidden H``."""
@@ -199,8 +254,9 @@ class Calibration:
         hidden = "not measured" if self.hidden_fraction is None else f"{self.hidden_fraction:.2f}"
         if self.bucket_hidden_fraction is not None:
             hidden += f" (allreduce {self.bucket_hidden_fraction:.2f})"
-        return (f"measured: {self.transport} on {self.host}, {self.ranks} ranks: latency {_seconds(self.latency_s)}; "
-                f"{ops}; hidden fraction {hidden}")
+        layout = "" if self.ranks_per_node is None else f" ({self.ranks_per_node} per node)"
+        return (f"measured: {self.transport} on {self.host}, {self.ranks} ranks{layout}: latency "
+                f"{_seconds(self.latency_s)}; {ops}; hidden fraction {hidden}; in-node {self.intra_source}")
 
 
 def _size(nbytes: int) -> str:
@@ -220,7 +276,7 @@ class MeasuredCostModel:
     scaling to other rank counts). ``alpha``: the measured latency; ``beta``: the link's bytes per second from the
     neighbour table (infinite when it shows no cost per byte)."""
 
-    def __init__(self, calibration: Calibration):
+    def __init__(self, calibration: Calibration, intra: NetSpec | None = None):
         self.calibration = calibration
         self.ranks = calibration.ranks
         self.degree = ring_degree(calibration.ranks)
@@ -228,10 +284,19 @@ class MeasuredCostModel:
         self.seconds_per_byte = _slope(calibration.tables["neighbor"]) / self.degree
         self.beta = 1 / self.seconds_per_byte if self.seconds_per_byte > 0 else math.inf
         self._tables = calibration.tables
+        if calibration.node is not None:
+            self.intra = MeasuredCostModel(calibration.node)
+        else:
+            self.intra = CostModel(intra if intra is not None else parse_net(calibration.intra_net))
 
-    def on(self, link: str) -> MeasuredCostModel:
-        """Itself: a calibration measures the one transport its ranks used."""
-        return self
+    def on(self, link: str) -> MeasuredCostModel | CostModel:
+        """``inter``: itself, the tables as measured; ``intra``: the in-node measurement's model where the
+        calibration has one, else the modelled in-node link (``intra_net``, or the ``intra`` given)."""
+        if link == "inter":
+            return self
+        if link == "intra":
+            return self.intra
+        raise ValueError(f"link class must be one of intra, inter, got {link!r}")
 
     def message(self, nbytes: int) -> float:
         """One point-to-point message: ``alpha + m s``."""
@@ -252,10 +317,10 @@ class MeasuredCostModel:
         if n == self.ranks:
             return seconds
         alpha, s, big = self.alpha, self.seconds_per_byte, self.ranks
-        measured = (big - 1) * (alpha + nbytes * s / big)
-        if measured <= 0:
-            return seconds * (n - 1) / (big - 1)
-        return seconds * (n - 1) * (alpha + nbytes * s / n) / measured
+        measured = allreduce_seconds(alpha, s, nbytes, big)
+        if measured <= 0:  # no latency and no cost per byte: scale by the steps
+            return seconds * (n - 1).bit_length() / (big - 1).bit_length()
+        return seconds * allreduce_seconds(alpha, s, nbytes, n) / measured
 
     def reduce_scatter(self, nbytes: int, n: int) -> float:
         """Reduce-scatter of an ``nbytes`` input: half an allreduce."""
