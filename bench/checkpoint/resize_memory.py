@@ -1,7 +1,7 @@
 """Memory of a restore at another world size against a restore at the saved size: the restore's own growth.
 
-    python bench/checkpoint/resize_memory.py [--params 50] [--algorithm allreduce_adam] [--pairs 4:2,2:4]
-        [--repo PATH] [--out resize_memory]
+    python bench/checkpoint/resize_memory.py [--params 12,50] [--algorithm allreduce_adam] [--pairs 4:2,2:4]
+        [--repo PATH] [--before PATH] [--out resize_memory]
 
 For each pair N:M, real ``mpiexec`` jobs (``resize_memory_job.py``) build ``--algorithm`` around an MLP of
 ``--params`` million parameters, take one step and save at N ranks; then the checkpoint is restored at N ranks
@@ -14,8 +14,10 @@ doubles its own memory. Also reported: the growth in states (the bytes of the te
 ``state_dict()``: parameters and optimizer state), the total peaks and the restore's time. A 4:2 pair saves at 4
 and restores at 4 and at 2.
 
-``--repo`` runs the jobs against another checkout of mpicomm (e.g. an older commit, for a before/after); the
-jobs and this script are this checkout's.
+``--params`` takes several sizes (one table row per size and pair). ``--repo`` runs the jobs against another
+checkout of mpicomm; ``--before PATH`` runs every size and pair against the checkout at PATH as well (e.g. an older
+commit: ``git worktree add /tmp/before COMMIT``), a row of its own marked with its commit, for a before/after in
+one table. The jobs and this script are this checkout's either way.
 Writes docs/results/NAME.{md,json} (default resize_memory); checkpoints under bench/results/runs/NAME/.
 """
 
@@ -30,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.common import REPO, RUNS, enter_loopback_namespace, machine, markdown_table, write_table  # noqa: E402
+from bench.common import REPO, RUNS, enter_loopback_namespace, markdown_table, write_table  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resize_memory_job.py")
 
@@ -45,10 +47,10 @@ def run(n: int, repo: str, *args) -> None:
                          f"\n{proc.stderr[-4000:]}")
 
 
-def restore(n: int, saved: str, where: str, args) -> dict:
+def restore(n: int, saved: str, where: str, repo: str, params: float, algorithm: str) -> dict:
     """Restore ``saved`` at ``n`` ranks in fresh processes; the ranks' figures summed up."""
     out = os.path.join(where, f"restore{n}.json")
-    run(n, args.repo, "restore", saved, args.params, args.algorithm, out)
+    run(n, repo, "restore", saved, params, algorithm, out)
     with open(out) as f:
         rows = json.load(f)
     increase = max(r["peak_rss_mib"] - r["rss_built_mib"] for r in rows)
@@ -60,60 +62,90 @@ def restore(n: int, saved: str, where: str, args) -> dict:
             "restore_s": max(r["restore_s"] for r in rows), "params": rows[0]["params"], "per_rank": rows}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=50.0, help="model size, millions of parameters")
-    parser.add_argument("--algorithm", default="allreduce_adam")
-    parser.add_argument("--pairs", default="4:2,2:4", help="saved:resumed world sizes, comma separated (4:2,2:4)")
-    parser.add_argument("--repo", default=REPO, help="the mpicomm checkout the jobs import")
-    parser.add_argument("--out", default="resize_memory")
-    args = parser.parse_args()
-    enter_loopback_namespace()
-    runs = os.path.join(RUNS, args.out)
-    shutil.rmtree(runs, ignore_errors=True)
-    os.makedirs(runs)
-    results = []
-    for pair in args.pairs.split(","):
+def commit_of(repo: str) -> str:
+    """The short commit of the checkout at ``repo``."""
+    return subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def measure(params: float, old: int, new: int, repo: str, where: str, algorithm: str) -> dict:
+    """Save at ``old`` ranks, restore at ``old`` (same size) and at ``new`` (resized) with ``repo``'s mpicomm."""
+    saved = os.path.join(where, "saved")
+    os.makedirs(where)
+    run(old, repo, "save", saved, params, algorithm)
+    same = restore(old, saved, where, repo, params, algorithm)
+    resized = restore(new, saved, where, repo, params, algorithm)
+    shutil.rmtree(saved)
+    result = {"params": same["params"], "saved": old, "resumed": new, "commit": commit_of(repo),
+              "same_size": same, "resized": resized,
+              "increase_ratio": resized["increase_mib"] / max(same["increase_mib"], 1.0),
+              "peak_ratio": resized["peak_rss_mib"] / same["peak_rss_mib"]}
+    print(f"{same['params'] / 1e6:.1f}M {old} -> {new} ({result['commit']}): the restore grows "
+          f"{resized['increase_mib']:.0f} MiB against {same['increase_mib']:.0f} MiB at the same size "
+          f"({result['increase_ratio']:.2f}x); peak {resized['peak_rss_mib']:.0f} / {same['peak_rss_mib']:.0f} MiB",
+          flush=True)
+    return result
+
+
+def parse_pairs(text: str, parser) -> list[tuple[int, int]]:
+    pairs = []
+    for pair in text.split(","):
         try:
             old, new = (int(v) for v in pair.strip().split(":"))
         except ValueError:
             parser.error(f"--pairs: {pair!r} is not SAVED:RESUMED (e.g. 4:2)")
-        where = os.path.join(runs, f"{old}to{new}")
-        saved = os.path.join(where, "saved")
-        os.makedirs(where)
-        run(old, args.repo, "save", saved, args.params, args.algorithm)
-        same = restore(old, saved, where, args)
-        resized = restore(new, saved, where, args)
-        shutil.rmtree(saved)
-        results.append({"saved": old, "resumed": new, "same_size": same, "resized": resized,
-                        "increase_ratio": resized["increase_mib"] / max(same["increase_mib"], 1.0),
-                        "peak_ratio": resized["peak_rss_mib"] / same["peak_rss_mib"]})
-        print(f"{old} -> {new}: the restore grows {resized['increase_mib']:.0f} MiB against "
-              f"{same['increase_mib']:.0f} MiB at the same size ({results[-1]['increase_ratio']:.2f}x); peak "
-              f"{resized['peak_rss_mib']:.0f} / {same['peak_rss_mib']:.0f} MiB", flush=True)
-    rows = [[f"{r['saved']} → {r['resumed']}",
+        pairs.append((old, new))
+    return pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="50", help="model sizes, millions of parameters, comma separated")
+    parser.add_argument("--algorithm", default="allreduce_adam")
+    parser.add_argument("--pairs", default="4:2,2:4", help="saved:resumed world sizes, comma separated (4:2,2:4)")
+    parser.add_argument("--repo", default=REPO, help="the mpicomm checkout the jobs import")
+    parser.add_argument("--before", default=None, help="another checkout measured as well, row by row")
+    parser.add_argument("--out", default="resize_memory")
+    args = parser.parse_args()
+    sizes = [float(v) for v in args.params.split(",")]
+    pairs = parse_pairs(args.pairs, parser)
+    enter_loopback_namespace()
+    runs = os.path.join(RUNS, args.out)
+    shutil.rmtree(runs, ignore_errors=True)
+    os.makedirs(runs)
+    repos = ([("before", args.before)] if args.before else []) + [("after" if args.before else "", args.repo)]
+    results = []
+    for params in sizes:
+        for old, new in pairs:
+            for label, repo in repos:
+                where = os.path.join(runs, f"{params:g}M_{old}to{new}_{label or 'this'}")
+                results.append({"code": label, **measure(params, old, new, repo, where, args.algorithm)})
+    rows = [[f"{r['params'] / 1e6:.1f}M", f"{r['saved']} → {r['resumed']}",
+             *([f"{r['code']} ({r['commit']})"] if args.before else []),
              f"{r['same_size']['increase_mib']:.0f} / {r['resized']['increase_mib']:.0f}",
              f"**{r['increase_ratio']:.2f}×**",
              f"{r['same_size']['increase_states']:.2f} / {r['resized']['increase_states']:.2f}",
+             f"{r['same_size']['state_mib']:.0f}",
              f"{r['same_size']['peak_rss_mib']:.0f} / {r['resized']['peak_rss_mib']:.0f}", f"{r['peak_ratio']:.2f}×",
              f"{r['same_size']['restore_s']:.1f} / {r['resized']['restore_s']:.1f}"] for r in results]
-    table = markdown_table(["saved → resumed", "restore's growth (peak − before), same / resized (MiB)",
-                            "growth ratio", "growth in states, same / resized",
+    table = markdown_table(["parameters", "saved → resumed", *(["code"] if args.before else []),
+                            "restore's growth (peak − before), same size / resized (MiB)", "growth ratio",
+                            "growth in states, same / resized", "one state (MiB)",
                             "peak RSS per rank, same / resized (MiB)", "peak ratio",
                             "restore time, same / resized (s)"], rows)
-    state = results[0]["same_size"]["state_mib"]
-    table += (f"\n\nOne state (parameters and optimizer state, per rank) is {state:.0f} MiB at the saved size; "
-              "growth is the largest over the ranks of the peak resident memory during the restore less that "
-              "before it" + ("" if all(r[k]["peak_since_reset"] for r in results for k in ("same_size", "resized"))
-                             else " (the peak is the process's: this kernel refused to reset it)") + ".")
-    commit = subprocess.run(["git", "-C", args.repo, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    payload = {"algorithm": args.algorithm, "params": results[0]["same_size"]["params"], "repo_commit": commit,
-               "results": results, "machine": machine(),
-               "command": f"python bench/checkpoint/resize_memory.py --params {args.params:g} --algorithm "
-                          f"{args.algorithm} --pairs {args.pairs}"}
-    write_table(args.out, f"Memory of a restore at another world size ({args.algorithm}, "
-                f"{payload['params'] / 1e6:.1f}M parameters, commit {commit})", table, payload)
+    reset = all(r[k]["peak_since_reset"] for r in results for k in ("same_size", "resized"))
+    table += ("\n\nGrowth: the largest over the ranks of the peak resident memory during the restore less the "
+              "memory before it" + ("" if reset else " (the peak is the process's: this kernel refused to reset it)")
+              + "; one state: the bytes of the tensors of one rank's restored state (parameters and optimizer "
+              "state) at the saved size; in states: the growth divided by it.")
+    command = (f"python bench/checkpoint/resize_memory.py --params {args.params} --algorithm {args.algorithm} "
+               f"--pairs {args.pairs}" + (" --before PATH" if args.before else "")
+               + (f" --out {args.out}" if args.out != "resize_memory" else ""))
+    commits = ", ".join(f"{label or 'this'} {commit_of(repo)}" for label, repo in repos)
+    payload = {"algorithm": args.algorithm, "commits": {label or "this": commit_of(repo) for label, repo in repos},
+               "results": results, "command": command}
+    write_table(args.out, f"Memory of a restore at another world size ({args.algorithm}; {commits})\n\n"
+                f"`{command}`", table, payload)
 
 
 if __name__ == "__main__":
