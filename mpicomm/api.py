@@ -154,8 +154,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
     ``algorithm="auto"`` lets the planner choose (``mpicomm plan``; :mod:`mpicomm.plan.choose`): give
     ``step_time=`` (seconds of one forward and backward pass of your step) and optionally ``tolerance=``
-    (accuracy points, default 0.3) and the options every method shares (``lr``, ``momentum``, …). The network
-    is ``net`` if given, else a probe of the transport. With your optimizer only methods that take it qualify.
+    (accuracy points, default 0.3), ``task=`` (``"image"``, the default, or ``"masked-lm"``: whose measured
+    accuracy costs apply, and without your optimizer whether SGD-type or Adam-type methods qualify) and the
+    options every method shares (``lr``, ``momentum``, …). The network is ``net`` if given, else a probe of the
+    transport. With your optimizer only methods that take it qualify.
     The returned algorithm's ``auto_choice`` holds the choice, why and what was measured.
     """
     from . import topology as topologies
@@ -179,7 +181,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
     from .training.options import accepted_options
 
     record = plan_choice(model, comm, auto["step_time"], net or "", auto["tolerance"],
-                         user_optimizer=optimizer is not None, net_source="net=" if net else "")
+                         user_optimizer=optimizer is not None, net_source="net=" if net else "", task=auto["task"])
     chosen = accepted_options(record["algorithm"], record["options"], options)
     algo = make_algorithm(record["algorithm"], model, comm, optimizer=optimizer, **chosen)
     algo.auto_choice = record
@@ -207,15 +209,19 @@ def _auto_request(options: dict) -> tuple[dict, dict]:
     """``wrap(..., "auto", step_time=S, tolerance=T, **shared)``: (the request, the shared options), or
     ``ValueError`` naming what is missing or not taken."""
     from .algorithms.base import AlgorithmConfig
-    from .plan.accuracy import NOISE_POINTS
+    from .plan.accuracy import IMAGE, NOISE_POINTS, TASKS
 
     options = dict(options)
-    request = {"step_time": options.pop("step_time", None), "tolerance": options.pop("tolerance", NOISE_POINTS)}
+    request = {"step_time": options.pop("step_time", None), "tolerance": options.pop("tolerance", NOISE_POINTS),
+               "task": options.pop("task", IMAGE)}
     shared = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     extra = sorted(set(options) - shared)
     if extra:
-        raise ValueError(f"algorithm='auto' takes step_time, tolerance and the options every method shares "
+        raise ValueError(f"algorithm='auto' takes step_time, tolerance, task and the options every method shares "
                          f"({', '.join(sorted(shared))}); got {', '.join(extra)}")
+    if request["task"] not in TASKS:
+        raise ValueError(f"algorithm='auto': task must be one of {', '.join(map(repr, TASKS))}, "
+                         f"got {request['task']!r}")
     step_time = request["step_time"]
     if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not 0 < step_time < float("inf"):
         raise ValueError("algorithm='auto' needs step_time=SECONDS > 0 and finite: the compute of one forward and "

@@ -68,6 +68,25 @@ def test_the_choice_is_trained_recorded_and_kept_on_resume(comm, main, tmp_path_
     assert_all(comm, first == stopped and second == 0 and not problems, f"exit {first}, {second}; {problems}")
 
 
+def test_bert_chooses_among_the_methods_measured_on_masked_lm(comm, tmp_path_factory):
+    """The BERT app's task is masked-LM: on 100 kbit/s its choice is an Adam-type method measured on the BERT
+    yardstick (not an SGD method measured on images), and the record says which task and evidence decided."""
+    out = comm.bcast(str(tmp_path_factory.mktemp("auto_bert")) if comm.Get_rank() == 0 else None)
+    bert = app_module("train_bert").main
+    code = bert(["--preset", "tiny", "--batch-size", "8", "--seq-len", "32", "--eval-sequences", "16",
+                 "--max-steps", "4", "--no-progress", "--algorithm", "auto", "--auto-net", "100kbit,10ms",
+                 "--out-dir", out])
+    problems = []
+    if comm.Get_rank() == 0:
+        record = _starts(out)[0].get("auto", {})
+        if record.get("task") != "masked-lm" or record.get("algorithm") not in ("apmsqueeze", "onebit_lamb",
+                                                                               "zeroone_adam"):
+            problems.append(f"the choice: {record}")
+        elif "masked-lm, 3 seed(s)" not in record.get("accuracy_evidence", ""):
+            problems.append(f"the evidence: {record.get('accuracy_evidence')}")
+    assert_all(comm, code == 0 and not problems, f"exit {code}; {problems}")
+
+
 @pytest.mark.parametrize(("extra", "line"), [
     (["--auto-tolerance", "-1"], "--algorithm auto: --auto-tolerance must be >= 0 accuracy points, got -1.0"),
     (["--auto-net", "12 parrots"], "--auto-net: expected BANDWIDTH,LATENCY"),

@@ -94,6 +94,11 @@ def test_every_candidate_books_what_the_mpi_tests_assert(n):
         "ef_signsgd": ((n - 1) * wire.ef_signsgd_payload(d), wire.ef_signsgd_payload(d), 1),
         "hsq": ((n - 1) * hsq, hsq, 1),
         "apmsqueeze": (2 * (n - 1) * apm, n * apm + apm, 1),
+        "allreduce_adam": (2 * (n - 1) * 4 * d // n, 4 * d, 1),
+        # compressed steps book APMSqueeze's 1-bit average (tests/test_lamb_mpi.py, test_zeroone_adam_mpi.py);
+        # 0/1 Adam's local steps send nothing, which the candidate does not credit
+        "onebit_lamb": (2 * (n - 1) * apm, n * apm + apm, 1),
+        "zeroone_adam": (2 * (n - 1) * apm, n * apm + apm, 1),
         "diloco_h10": (2 * (n - 1) * 4 * d // n, 4 * d, 10),
         "sparseloco_h10": ((n - 1) * topk, topk, 10),
     }
@@ -165,8 +170,45 @@ def test_slow_network_and_bert_large_put_a_compressed_method_first():
     allreduce = next(p for p in preds if p.candidate.key == "allreduce_sgd")
     assert preds[0].speedup > 10 and allreduce.speedup == 1.0
     choice, reason = auto_choice(preds)
-    assert choice.accuracy.measured and choice.accuracy.points <= 0.3 and choice.bits_per_param < 8
-    assert "within 0.3 accuracy points" in reason
+    assert choice.accuracy.measured and not choice.accuracy.above(0.3) and choice.bits_per_param < 8
+    assert "not significantly above 0.3 accuracy points" in reason
+
+
+def _bert_yardstick(folder, apmsqueeze: list[float]):
+    """A BERT yardstick file: AllReduce-Adam at 15.0 % +- 0.1, 1-bit LAMB at 15.5 %, APMSqueeze at ``apmsqueeze``."""
+    def entry(values):
+        return {"failed": 0, "runs": [{"seed": i, "failed": False, "val_mlm_accuracy": v}
+                                      for i, v in enumerate(values)]}
+    (folder / "bert_mlm_3000.json").write_text(json.dumps({"seeds": [0, 1, 2], "ranks": 4, "steps": 3000, "results": {
+        "allreduce_adam": entry([0.149, 0.150, 0.151]), "onebit_lamb": entry([0.154, 0.155, 0.156]),
+        "apmsqueeze": entry(apmsqueeze)}}))
+
+
+@pytest.mark.parametrize("apmsqueeze,chosen", [
+    ([0.100, 0.101, 0.099], "onebit_lamb"),  # 5 points below AllReduce-Adam, se 0.8: significantly above 0.3
+    ([0.120, 0.150, 0.180], "apmsqueeze"),   # the same 0 points on average but 3 points of spread: kept
+])
+def test_bert_on_a_slow_net_never_picks_a_method_significantly_below_allreduce_adam(tmp_path, monkeypatch,
+                                                                                      apmsqueeze, chosen):
+    """masked-LM costs come from the BERT yardstick only: a method significantly below AllReduce-Adam there is
+    left out however fast; the SGD methods (never run on BERT) are unmeasured, not borrowed from MNIST."""
+    _bert_yardstick(tmp_path, apmsqueeze)
+    monkeypatch.setenv("MPICOMM_RESULTS_DIR", str(tmp_path))
+    preds = rank_candidates(_job("bert-large", 16, "100mbit,1ms", 0.5), task="masked-lm")
+    assert all(not p.accuracy.measured for p in preds if p.candidate.key in ("moniqua", "dpsgd", "allreduce_sgd"))
+    assert next(p for p in preds if p.candidate.key == "apmsqueeze").step_s <= \
+        next(p for p in preds if p.candidate.key == "onebit_lamb").step_s  # first of the measured (ties: by name)
+    choice, _ = auto_choice(preds, 0.3, "allreduce_adam")
+    assert choice.candidate.key == chosen
+
+
+def test_bert_with_the_shipped_costs_picks_a_method_at_least_as_accurate_as_allreduce_adam(monkeypatch):
+    """The shipped table: with BERT on a slow net the choice's masked-LM accuracy is not below AllReduce-Adam's by
+    more than the tolerance (docs/results/bert_mlm_3000.md)."""
+    monkeypatch.delenv("MPICOMM_RESULTS_DIR", raising=False)
+    preds = rank_candidates(_job("bert-large", 64, "100mbit,1ms", 0.5), task="masked-lm")
+    choice, _ = auto_choice(preds, 0.3, "allreduce_adam")
+    assert choice.accuracy.task == "masked-lm" and choice.accuracy.points <= 0.3, choice
 
 
 def test_two_levels_price_on_the_inter_link_only_across_nodes():
@@ -186,8 +228,9 @@ def test_auto_refuses_a_negative_tolerance_and_an_impossible_one():
     preds = rank_candidates(_job("resnet20", 8, "gbit", 0.1))
     with pytest.raises(ValueError, match=r"^--tolerance must be >= 0 accuracy points, got -0.1$"):
         auto_choice(preds, -0.1)
-    measured = [p for p in preds if p.accuracy.measured and p.candidate.key not in ("dpsgd", "allreduce_sgd")]
-    with pytest.raises(ValueError, match="no measured candidate costs at most") as info:
+    measured = [p for p in preds if p.accuracy.measured and p.accuracy.low > 0]
+    with pytest.raises(ValueError, match="every measured candidate's accuracy cost is significantly above 0.0 "
+                                         "points") as info:
         auto_choice(measured, 0.0)
     assert "\n" not in str(info.value)
 

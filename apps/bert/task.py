@@ -23,6 +23,7 @@ import operator
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -77,7 +78,11 @@ class BertTask:
         steps_per_epoch: batches per epoch, the same on every rank (shards differ by at most one sequence;
             each epoch uses the first ``steps_per_epoch * batch_size`` sequences of a fresh permutation).
         pad_id: id of ``[PAD]`` (attention is masked there).
+
+    ``family``: the task family whose measured accuracy costs ``--algorithm auto`` weighs.
     """
+
+    family: ClassVar[str] = "masked-lm"
 
     model: BertForMaskedLM = field(repr=False)
     tokenizer: Tokenizer = field(repr=False)

@@ -34,7 +34,11 @@ class ImageTask:
     met as ``DistributedSampler`` meets them: a rank whose shard holds more images than an epoch takes
     leaves the rest (each epoch draws a fresh order, so all of it is seen over epochs); a rank whose shard
     holds fewer goes on into a fresh permutation of it (its images repeat within the epoch).
+
+    ``family``: the task family whose measured accuracy costs ``--algorithm auto`` weighs.
     """
+
+    family = "image"
 
     def __init__(self, model: torch.nn.Module, data: ImageData, *, rank: int, size: int, batch_size: int,
                  seed: int, dirichlet_alpha: float = 0.0, augment_images: bool = True, eval_limit: int = 0):

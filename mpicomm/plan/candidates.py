@@ -2,7 +2,9 @@
 
 A :class:`Candidate` names the algorithm and the options to pass to ``mpicomm.wrap``; ``traffic`` gives
 the calls of one communicating step (:class:`~.wire.Op`) and how many steps they serve (``period``);
-``work`` gives the elements each codec encodes and decodes per communicating step. Decentralized methods
+``work`` gives the elements each codec encodes and decodes per communicating step. The Adam-type candidates
+(AllReduce-Adam, APMSqueeze, 1-bit LAMB, 0/1 Adam) are weighed for tasks trained with Adam (masked-LM), the
+others for SGD-trained ones (:mod:`.choose`). Decentralized methods
 run on the ring (the apps' default topology); its out-degree is ``degree``. The warm-up of PowerSGD and
 APMSqueeze (full-precision steps first) is not counted: the steady state is what a long run pays.
 """
@@ -163,6 +165,9 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("powersgd_r4", "powersgd", "rank 4", {"rank": 4}, BUCKETS, *_POWER4),
     Candidate("hsq", "hsq", "d=16, K=256", {}, BUCKETS, _hsq, _hsq_work),
     Candidate("apmsqueeze", "apmsqueeze", "1-bit Adam (after warm-up)", {}, BUCKETS, _apmsqueeze, _apmsqueeze_work),
+    Candidate("allreduce_adam", "allreduce_adam", "fp32 Adam", {}, BUCKETS, _allreduce_fp32),
+    Candidate("onebit_lamb", "onebit_lamb", "1-bit LAMB (after the freeze)", {}, "", _apmsqueeze, _apmsqueeze_work),
+    Candidate("zeroone_adam", "zeroone_adam", "0/1 Adam (after the freeze)", {}, "", _apmsqueeze, _apmsqueeze_work),
     Candidate("diloco_h10", "diloco", "H=10, fp32", {"period": 10}, "", _diloco(10)),
     Candidate("sparseloco_h10", "sparseloco", "H=10, top 2 %, 2-bit", {"period": 10}, "", _sparseloco,
               _sparseloco_work),

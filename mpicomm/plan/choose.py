@@ -21,20 +21,23 @@ from ..algorithms import ALGORITHMS
 from ..algorithms.centralized.adam import AdamConfig
 from ..comm import raise_together
 from ..comm.calibrate import calibrate
+from .accuracy import BASELINES, IMAGE, MASKED_LM, ranks_note
 
 __all__ = ["plan_choice"]
 
 
 def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolerance: float, *, batch_size: int = 32,
                 overlap: bool = True, user_optimizer: bool = False, net_source: str = "net",
-                who: str = "algorithm='auto'", flag: str = "tolerance") -> dict:
+                who: str = "algorithm='auto'", flag: str = "tolerance", task: str = IMAGE) -> dict:
     """Collective: the planner's choice for ``model`` on the Communicator ``comm``, as a record (every rank).
 
     ``step_time``: compute seconds per step (agreed); ``net``: a ``--net`` setting, or ``""`` to calibrate the
     transport; ``overlap``: whether the choice may overlap its exchange; ``user_optimizer``: only methods
-    that take the user's optimizer qualify (else the Adam-type ones, whose lr is on another scale, are left
-    out); ``who`` and ``flag``: how the caller names the request and the tolerance in a refusal.
-    ``ValueError`` (one line, every rank) when no measured candidate is within ``tolerance``.
+    that take the user's optimizer qualify (else the built-in optimizer's family of ``task``: SGD-type for
+    ``image``, Adam-type for ``masked-lm``, whose lr is on another scale); ``who`` and ``flag``: how the caller
+    names the request and the tolerance in a refusal; ``task``: the task family whose measured accuracy costs
+    apply (:data:`~mpicomm.plan.accuracy.TASKS`). ``ValueError`` (one line, every rank) when no measured
+    candidate is within ``tolerance``.
     """
     calibration = None
     if not net and comm.size > 1:
@@ -47,7 +50,7 @@ def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolera
     if comm.rank == 0:  # one rank plans (codec costs are timed where none are cached), every rank follows
         try:
             record = _plan(model, comm.size, ranks_per_node, net, step_time, tolerance, batch_size, overlap,
-                           user_optimizer, calibration)
+                           user_optimizer, calibration, task)
             record.update(net=net, net_source=net_source, step_time_s=step_time, ranks_per_node=ranks_per_node)
             if calibration is not None:
                 record["calibration"] = json.loads(calibration.to_json())
@@ -58,13 +61,15 @@ def plan_choice(model: torch.nn.Module, comm, step_time: float, net: str, tolera
     return record
 
 
-def _qualifies(algorithm: str, user_optimizer: bool) -> bool:
+def _qualifies(algorithm: str, user_optimizer: bool, task: str) -> bool:
     cls = ALGORITHMS[algorithm]
-    return cls.takes_optimizer if user_optimizer else not issubclass(cls.config_class, AdamConfig)
+    if user_optimizer:
+        return cls.takes_optimizer
+    return issubclass(cls.config_class, AdamConfig) == (task == MASKED_LM)
 
 
 def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, step_time: float, tolerance: float,
-          batch_size: int, overlap: bool, user_optimizer: bool, calibration=None) -> dict:
+          batch_size: int, overlap: bool, user_optimizer: bool, calibration=None, task: str = IMAGE) -> dict:
     """Rank the planner's candidates for this job; the choice as a record (``ValueError``: one line)."""
     from ..plan.codec_cost import codec_costs
     from ..plan.model import Job, auto_choice, rank_candidates
@@ -72,16 +77,17 @@ def _plan(model: torch.nn.Module, ranks: int, ranks_per_node: int, net: str, ste
 
     layers = layers_of([tuple(p.shape) for p in model.parameters() if p.requires_grad])
     job = Job(layers, ranks, net, step_time, ranks_per_node, batch_size, codec_costs(), calibration=calibration)
-    ranked = rank_candidates(job)
-    preds = [p for p in ranked if _qualifies(p.candidate.algorithm, user_optimizer)]
-    choice, reason = auto_choice(preds, tolerance)
+    ranked = rank_candidates(job, task=task)
+    preds = [p for p in ranked if _qualifies(p.candidate.algorithm, user_optimizer, task)]
+    choice, reason = auto_choice(preds, tolerance, BASELINES[task])
     cand = choice.candidate
     options = choice.options  # hierarchical as priced; overlap where the prediction hides the exchange
     if not overlap:
         options.pop("overlap", None)
     label = cand.setting + (", two levels" if choice.hierarchical else "")
     return {"algorithm": cand.algorithm, "candidate": cand.key, "label": label, "options": options,
-            "reason": reason, "tolerance": tolerance, "accuracy_points": choice.accuracy.points,
+            "reason": reason, "tolerance": tolerance, "accuracy_points": choice.accuracy.points, "task": task,
+            "accuracy_evidence": choice.accuracy.evidence(), "accuracy_note": ranks_note(choice.accuracy, ranks),
             "left_out": [p.candidate.key for p in ranked if p not in preds], "predicted_step_s": choice.step_s,
             "fastest": [{"candidate": p.candidate.key, "step_s": p.step_s,
                          "accuracy_points": p.accuracy.points if p.accuracy.measured else None}

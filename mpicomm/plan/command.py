@@ -11,7 +11,7 @@ import argparse
 import math
 
 from ..net.calibration import BUDGET_S
-from .accuracy import NOISE_POINTS
+from .accuracy import BASELINES, IMAGE, NOISE_POINTS, TASKS
 from .shapes import MAX_PARAMS, MODELS, layers_for_model, layers_from_params
 
 __all__ = ["MAX_RANKS", "add_arguments", "calibrate_main", "main"]
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     when.add_argument("--step-time", type=float, help="compute seconds per step (forward + backward)")
     when.add_argument("--measure", action="store_true", help="time a few steps of --model on this machine")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and step (default 32)")
+    parser.add_argument("--task", choices=TASKS, default=IMAGE,
+                        help="the task family whose measured accuracy costs apply: image (classification, SGD) or "
+                             "masked-lm (BERT pre-training, Adam); default image")
     parser.add_argument("--tolerance", type=float, default=NOISE_POINTS,
                         help=f"accuracy points the automatic choice may cost (default {NOISE_POINTS}: the measured "
                              "seed-to-seed noise)")
@@ -171,9 +174,9 @@ def main(args) -> str:
     costs = {} if args.no_codec_work else codec_costs(refresh=args.remeasure_codecs)
     net = args.net if calibration is None else calibration.summary()
     job = Job(layers, args.ranks, net, step_time, args.ranks_per_node, args.batch_size, costs, calibration)
-    preds = rank_candidates(job)
+    preds = rank_candidates(job, task=args.task)
     try:
-        choice, reason = auto_choice(preds, args.tolerance)
+        choice, reason = auto_choice(preds, args.tolerance, BASELINES[args.task])
     except ValueError as exc:  # no measured candidate within the (valid) tolerance: the table says so
         return format_plan(job, preds, refusal=str(exc))
     return format_plan(job, preds, choice, reason)

@@ -66,7 +66,7 @@ from ..algorithms.shared.buckets import OverlapConfig, bucket_ranges
 from ..net import CostModel, NetLinks, parse_net
 from ..net.model import allreduce_across_nodes, card_shared_extra
 from ..topology import ring_degree
-from .accuracy import NOISE_POINTS, UNMEASURED, AccuracyCost, accuracy_costs
+from .accuracy import IMAGE, NOISE_POINTS, UNMEASURED, AccuracyCost, accuracy_costs
 from .candidates import BUCKETS, CANDIDATES, STEP, Candidate
 from .shapes import numel
 from .wire import Op
@@ -366,10 +366,12 @@ def predict(job: Job, cand: Candidate, accuracy: dict | None = None) -> Predicti
         accuracy=accuracy.get(cand.key, UNMEASURED), hierarchical=hierarchical, price_source=source)
 
 
-def rank_candidates(job: Job, candidates=CANDIDATES) -> list[Prediction]:
-    """Every candidate's prediction, fastest first, with its speed-up over allreduce_sgd's predicted step."""
-    accuracy = accuracy_costs()
-    preds = [predict(job, c, accuracy) for c in candidates]
+def rank_candidates(job: Job, candidates=CANDIDATES, task: str = IMAGE) -> list[Prediction]:
+    """Every candidate's prediction, fastest first, with its speed-up over allreduce_sgd's predicted step and its
+    accuracy cost for ``task`` (:data:`~.accuracy.TASKS`; unmeasured there: ``UNMEASURED`` of that task)."""
+    accuracy = accuracy_costs(task)
+    unmeasured = AccuracyCost(None, "unmeasured", task=task)
+    preds = [predict(job, c, {**{c.key: unmeasured}, **accuracy}) for c in candidates]
     reference = next((p.step_s for p in preds if p.candidate.key == "allreduce_sgd"), None)
     if reference is not None:
         preds = [Prediction(**{**p.__dict__, "speedup": reference / p.step_s}) for p in preds]
@@ -394,30 +396,34 @@ def check_tolerance(tolerance: float) -> None:
         raise ValueError(f"--tolerance must be >= 0 accuracy points, got {tolerance}")
 
 
-def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS) -> tuple[Prediction, str]:
-    """The fastest prediction whose measured accuracy cost is at most ``tolerance`` points, and why;
-    allreduce_sgd instead when that one saves less than :data:`WORTH_SWITCHING` of its step.
+def auto_choice(preds: list[Prediction], tolerance: float = NOISE_POINTS,
+                baseline: str = "allreduce_sgd") -> tuple[Prediction, str]:
+    """The fastest prediction whose measured accuracy cost is not significantly above ``tolerance`` points (its
+    one-sided 95 % bound is at most the tolerance, :meth:`~.accuracy.AccuracyCost.above`), and why; the
+    full-precision ``baseline`` instead when that one saves less than :data:`WORTH_SWITCHING` of its step.
 
     ``ValueError`` (one line) when ``tolerance`` is negative or no measured candidate is within it.
     """
     check_tolerance(tolerance)
-    within = [p for p in preds if p.accuracy.measured and p.accuracy.points <= tolerance]
+    within = [p for p in preds if p.accuracy.measured and not p.accuracy.above(tolerance)]
     if not within:
-        measured = [p.accuracy.points for p in preds if p.accuracy.measured]
+        measured = [p.accuracy.low for p in preds if p.accuracy.measured]
         if not measured:
-            raise ValueError("no candidate has a measured accuracy cost (the accuracy table "
-                             "mpicomm/plan/accuracy_costs.json is missing or empty)")
-        raise ValueError(f"no measured candidate costs at most {tolerance} accuracy points (the least is "
-                         f"{min(measured):+.2f}); raise --tolerance")
+            task = preds[0].accuracy.task if preds else IMAGE
+            raise ValueError(f"no candidate has a measured accuracy cost for {task} (the accuracy table "
+                             "mpicomm/plan/accuracy_costs.json is missing or has none for it)")
+        raise ValueError(f"every measured candidate's accuracy cost is significantly above {tolerance} points (the "
+                         f"least 95 % bound is {min(measured):+.2f}); raise --tolerance")
     best = min(within, key=lambda p: (p.step_s, p.candidate.key))
-    reference = next((p for p in within if p.candidate.key == "allreduce_sgd"), None)
+    reference = next((p for p in within if p.candidate.key == baseline), None)
     if reference is not None and best is not reference and best.step_s >= (1 - WORTH_SWITCHING) * reference.step_s:
-        return reference, (f"allreduce_sgd ({1e3 * reference.step_s:.1f} ms): the fastest candidate within "
+        return reference, (f"{baseline} ({1e3 * reference.step_s:.1f} ms): the fastest candidate within "
                            f"{tolerance} accuracy points ({best.candidate.key}, {1e3 * best.step_s:.1f} ms) is "
                            f"predicted to save less than {100 * WORTH_SWITCHING:g} % of its step")
     faster = [p for p in preds if p.step_s < best.step_s]
     reason = (f"fastest predicted step ({1e3 * best.step_s:.1f} ms, {best.speedup:.2f}x allreduce_sgd) among the "
-              f"measured candidates within {tolerance} accuracy points (it cost {best.accuracy.points:+.2f})")
+              f"measured candidates not significantly above {tolerance} accuracy points (it cost "
+              f"{best.accuracy.evidence()})")
     if faster:
-        reason += f"; {len(faster)} faster candidate(s) are unmeasured or cost more accuracy"
+        reason += f"; {len(faster)} faster candidate(s) are unmeasured or cost significantly more accuracy"
     return best, reason

@@ -168,6 +168,8 @@ def parse_app_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Names
     args = parser.parse_args(argv)
     if known.algorithm != AUTO:
         settle_app_defaults(args, known.algorithm, typed)
+    else:  # settled once the method is chosen (choose_algorithm)
+        args.typed_options = [token.split("=", 1)[0] for token in typed if token.startswith("--")]
     return args
 
 
@@ -303,7 +305,8 @@ def _build(args, comm, cfg, device, build, console):
     steps_per_epoch = agree_steps_per_epoch(task, comm, console)
     raise_together(comm, _error_of(cfg.check_total, steps_per_epoch))
     if args.algorithm == AUTO:
-        args.auto_choice = choose_algorithm(args, comm, task, console)
+        args.auto_choice = choose_algorithm(args, comm, task, console, cfg.total_steps(steps_per_epoch))
+        cfg = dataclasses.replace(cfg, lr=args.lr)  # the chosen method's --lr (its family's) drives the schedule
     options = config_kwargs(args, args.algorithm)
     if "total_steps" in derived_options(args):
         options["total_steps"] = cfg.total_steps(steps_per_epoch)  # e.g. APMSqueeze's warm-up fraction

@@ -8,9 +8,11 @@ At start-up, after the model and data are built, every rank:
    (:mod:`mpicomm.plan.choose`);
 3. rank 0 ranks every candidate of ``mpicomm plan`` on this model's layer shapes, ranks, ranks per node,
    batch size, network and codec costs (:mod:`mpicomm.plan.model`) and takes the fastest one whose measured
-   accuracy cost is within ``--auto-tolerance`` points; every rank gets its choice. The apps' options describe
-   an SGD run (``--lr``, ``--momentum``), so the Adam-type candidates (APMSqueeze), whose learning rate is on
-   another scale, are left out (the record lists them).
+   accuracy cost for the app's task family (``image`` or ``masked-lm``) is not significantly above
+   ``--auto-tolerance`` points; every rank gets its choice. The image app's options describe an SGD run
+   (``--lr``, ``--momentum``), so it weighs the SGD-type candidates; the BERT app's describe an Adam run, so
+   it weighs the Adam-type ones (AllReduce-Adam, APMSqueeze, 1-bit LAMB, 0/1 Adam). The record lists the
+   others as left out.
 
 The choice, why, what was measured and the five fastest predictions go into the run's ``start`` record
 (``"auto"``) of ``metrics.jsonl``, and one console line says it. A run resumed with ``--algorithm auto``
@@ -34,11 +36,12 @@ from ..algorithms import ALGORITHMS
 from ..algorithms.base import AlgorithmConfig
 from ..comm import raise_together
 from ..net import parse_net
+from ..plan.accuracy import IMAGE
 from ..plan.choose import plan_choice
 from ..plan.measure import median_pass_seconds
 from .device import to_device
 from .metrics import read_metrics
-from .options import accepted_options, add_config_options
+from .options import accepted_options, add_config_options, settle_app_defaults
 
 __all__ = ["AUTO", "add_auto_options", "choose_algorithm"]
 
@@ -59,10 +62,12 @@ def add_auto_options(parser: argparse.ArgumentParser) -> None:
                             "--net or a probe of the real transport")
 
 
-def choose_algorithm(args: argparse.Namespace, comm, task, console) -> dict:
+def choose_algorithm(args: argparse.Namespace, comm, task, console, total_steps: int = 0) -> dict:
     """Collective: choose the method, set ``args.algorithm`` and its options on ``args``; return the record.
 
-    ``comm``: the run's :class:`~mpicomm.comm.Communicator`; ``task``: the built app task (model, batches).
+    ``comm``: the run's :class:`~mpicomm.comm.Communicator`; ``task``: the built app task (model, batches);
+    ``total_steps``: the run's length, which the apps give the methods that derive a schedule from it (the
+    1-bit family's warm-up), so that their options are judged as they will be built.
     """
     error = None
     try:
@@ -78,19 +83,27 @@ def choose_algorithm(args: argparse.Namespace, comm, task, console) -> dict:
             else ("", "")
         record = plan_choice(task.model, comm, _step_time(task, comm), net, args.auto_tolerance,
                              batch_size=args.batch_size, overlap=args.precision != "fp16", net_source=source,
-                             who="--algorithm auto", flag="--auto-tolerance")
+                             who="--algorithm auto", flag="--auto-tolerance", task=getattr(task, "family", IMAGE))
     args.algorithm = record["algorithm"]
-    options = accepted_options(args.algorithm, record["options"],
+    config_class = ALGORITHMS[args.algorithm].config_class
+    derived = {"total_steps": total_steps} if total_steps and "total_steps" in {
+        f.name for f in dataclasses.fields(config_class)} else {}
+    options = accepted_options(args.algorithm, {**record["options"], **derived},
                                {f.name: getattr(args, f.name) for f in dataclasses.fields(AlgorithmConfig)})
-    defaults = {f.name: f.default for f in dataclasses.fields(ALGORITHMS[args.algorithm].config_class)}
+    for key in derived:
+        options.pop(key, None)  # the apps give it when they build the method
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class)}
     for field in dataclasses.fields(AlgorithmConfig):  # a shared option the choice refuses takes its default
         setattr(args, field.name, options.pop(field.name, defaults[field.name]))
     for key, value in options.items():
         setattr(args, key, value)
+    settle_app_defaults(args, args.algorithm, getattr(args, "typed_options", []))  # e.g. the method's own --lr
     how = "the run's earlier choice" if record.get("resumed") else record["reason"]
     if console is not None:
         console.info(f"--algorithm auto: {record['algorithm']} ({record['label']}); {how}; network {record['net']} "
                      f"({record['net_source']}), compute {1e3 * record['step_time_s']:.1f} ms per step")
+        if record.get("accuracy_note"):
+            console.info(f"--algorithm auto: {record['accuracy_note']}")
     return record
 
 

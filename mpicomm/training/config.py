@@ -27,6 +27,8 @@ class Task(Protocol):
 
     ``steps_per_epoch``: the batches one epoch offers on this rank; :func:`agree_steps_per_epoch` sets it to
     the number every rank takes (the smallest any rank offers), and ``train_batches`` must yield at least that.
+    An optional ``family`` names the task family for ``--algorithm auto`` (``"image"`` without one, or
+    ``"masked-lm"``; :data:`mpicomm.plan.accuracy.TASKS`).
     """
 
     model: torch.nn.Module
