@@ -26,7 +26,7 @@ A weight that no rank's gradient has reached yet (a branch never taken, an embed
 moved, weight decay included (:mod:`~mpicomm.algorithms.shared.reached`), as torch's AdamW leaves a parameter whose
 gradient is None.
 
-``shard=True`` (ZeRO-2, :mod:`~mpicomm.algorithms.shared.sharding`): m and v of this rank's 1/n shard only; the
+``shard=True`` (ZeRO-1, :mod:`~mpicomm.algorithms.shared.sharding`): m and v of this rank's 1/n shard only; the
 gradient reduce-scattered (exact: bit for bit the unsharded step; or 4/8-bit with error feedback), AdamW on the
 shard, the parameters allgathered.
 

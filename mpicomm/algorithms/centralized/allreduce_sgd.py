@@ -12,7 +12,7 @@ while backward runs (:class:`~mpicomm.algorithms.shared.buckets.GradBuckets`), b
 allreduce under MPICH. The full-precision baseline of the centralized family: ``compressed_sgd`` with the
 identity codec reproduces it bit for bit. Buckets, accumulation and progress: ``docs/algorithms/centralized.md``.
 
-``shard=True`` (ZeRO-2, :mod:`~mpicomm.algorithms.shared.sharding`): reduce-scatter the gradient, step this rank's
+``shard=True`` (ZeRO-1, :mod:`~mpicomm.algorithms.shared.sharding`): reduce-scatter the gradient, step this rank's
 1/n shard (the optimizer state of the shard only), allgather the parameters; bit for bit the unsharded step with
 ``shard_bits=32``, or a 4/8-bit reduce-scatter with error feedback.
 

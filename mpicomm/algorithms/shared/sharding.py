@@ -1,4 +1,4 @@
-"""Sharded data parallel (ZeRO-1/2) for the centralized methods: ``shard=True``.
+"""Sharded optimizer state (ZeRO-1: the full gradient stays on every rank) for the centralized methods.
 
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020. Every rank
 still holds the whole model and computes the whole gradient; the optimizer's state lives only on the shard each
@@ -52,10 +52,10 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "A
 @dataclass(frozen=True)
 class ShardConfig(AlgorithmConfig):
     """shard: keep the optimizer state of this rank's 1/n shard only, reduce-scatter the gradient, step the shard and
-    allgather the parameters (ZeRO-2). shard_bits: the reduce-scatter's precision, 32 (exact), 8 or 4 (blockwise
-    quantized with error feedback). gather_bits: the parameter allgather's, 32 (exact), 8 or 4 (each shard's update
-    quantized blockwise with error feedback). Over several nodes (``hierarchical``) the shards are exchanged in two
-    levels (:mod:`.shard_levels`). Not with overlap."""
+    allgather the parameters (ZeRO-1: the full gradient stays on every rank). shard_bits: the reduce-scatter's
+    precision, 32 (exact), 8 or 4 (blockwise quantized with error feedback). gather_bits: the parameter
+    allgather's, 32 (exact), 8 or 4 (each shard's update quantized blockwise with error feedback). Over several
+    nodes (``hierarchical``) the shards are exchanged in two levels (:mod:`.shard_levels`). Not with overlap."""
 
     shard: bool = False
     shard_bits: int = 32
