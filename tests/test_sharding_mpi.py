@@ -1,4 +1,4 @@
-"""``shard=True`` (ZeRO-1: the optimizer state sharded) for allreduce_sgd and allreduce_adam, at every world size of the MPI tiers.
+"""``shard=True`` (ZeRO-1: optimizer state sharded) for allreduce_sgd and allreduce_adam, at every world size
 
 * Lossless (``shard_bits=32``): 20 steps bit for bit as the unsharded method, built-in optimizers and the user's
   torch SGD / AdamW over two parameter groups driven by an lr scheduler; each rank trains on its own data.
