@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=1
 all=(comm codecs kernel-breakdown moniqua-pull decentralized centralized moniqua moniqua-adpsgd netvalidate tta bert
      hsq scaling moniqua-theta moniqua-resnet peers peers-apps export-batchnorm step-overhead host-syncs
      user-optimizer memory resize-memory sharding moniqua-rss overlap local-updates gossip-overlap hierarchy defaults
-     bert-yardstick skewed)
+     bert-yardstick skewed one-peer-graphs moniqua-overlap)
 chosen=("${@:-${all[@]}}")
 for name in "${chosen[@]}"; do
   echo "== $name ($(date +%H:%M:%S))"
@@ -65,6 +65,12 @@ for name in "${chosen[@]}"; do
             python bench/training/yardstick.py --ranks 8 --seeds 0,1,2 --epochs 10 --methods moniqua_d2+bits=2 --name mnist1d_d2_bits
             python bench/training/yardstick.py --ranks 8 --seeds 0 --epochs 10 --name mnist1d_adam_lr \
               --methods allreduce_adam,allreduce_adam+lr=3e-3,allreduce_adam+lr=1e-2 ;;
+    one-peer-graphs) python bench/training/yardstick.py --ranks 8 --seeds 0,1,2 --epochs 10 --name one_peer_graphs \
+              --methods dpsgd+topology=ring,dpsgd+topology=torus,dpsgd+topology=alternating_ring,dpsgd+topology=one_peer_hypercube,dpsgd+topology=one_peer_exponential ;;
+    moniqua-overlap) python bench/wallclock/overlap.py --algorithms dpsgd,moniqua --models resnet20 --ranks 4 --steps 15 \
+              --rounds 2 --settings slow --name moniqua_overlap
+            python bench/wallclock/progress_overlap.py --algorithms moniqua,dpsgd --mechanisms none,thread --rounds 2 \
+              --name moniqua_overlap_wire ;;
     gpu) scripts/gpu_check.sh ;;
     *) echo "unknown benchmark '$name'; choose from: ${all[*]}" >&2; exit 2 ;;
   esac

@@ -110,16 +110,17 @@ fi
 # count: the files where an odd or non-power-of-two count takes its own path -- uneven data shards, uneven
 # chunks of the 1-bit/compressed allreduces, MPICH's recursive-doubling remainder in the exact payload sums,
 # unequal node layouts, the collectives and the checkpoint of an odd world, uneven shards of shard=True, a user's
-# script where one rank of three differs (that file skips itself at 1 and 4 ranks). The decentralized methods see no
-# new case at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the
-# serial topology tests). Test files named on the command line replace these lists at every count.
+# script where one rank of three differs (that file skips itself at 1 and 4 ranks), and D-PSGD on the alternating
+# ring, which leaves one rank out of each pairing at an odd count. The other decentralized methods see no new case
+# at 3 (a ring of 3 is the complete graph; their mixing matrices are checked for every size in the serial
+# topology tests). Test files named on the command line replace these lists at every count.
 SAME_AT_ANY_COUNT=(tests/test_resume_mpi.py tests/test_loop_optimizer_mpi.py tests/test_device_mpi.py
                    tests/test_user_optimizer_mpi.py)
 ODD_COUNT=(tests/test_rank_counts_mpi.py tests/test_comm_mpi.py tests/test_allreduce_sgd_mpi.py
            tests/test_compressed_sgd_mpi.py tests/test_apmsqueeze_mpi.py tests/test_lamb_mpi.py
            tests/test_zeroone_adam_mpi.py tests/test_hierarchy_mpi.py tests/test_checkpoint_mpi.py
            tests/test_net_mpi.py tests/test_choco_sums_mpi.py tests/test_user_script_mpi.py
-           tests/test_sharding_onebit_mpi.py)
+           tests/test_sharding_onebit_mpi.py tests/test_dpsgd_mpi.py)
 # Every rank collects only the files that hold mpi-marked tests (collecting a file imports it: seconds per
 # rank), unless test files are named on the command line.
 MPI_FILES=($(grep -l 'mark\.mpi' tests/test_*.py))
