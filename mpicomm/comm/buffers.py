@@ -15,15 +15,16 @@ import re
 import torch
 from mpi4py import MPI
 
-__all__ = ["BufferRouter", "as_bytes", "mpi_typed", "query_cuda_aware"]
+__all__ = ["MPI_TYPES", "BufferRouter", "as_bytes", "mpi_typed", "query_cuda_aware"]
 
-_MPI_TYPES = {
+MPI_TYPES = {
     torch.float32: MPI.FLOAT,
     torch.float64: MPI.DOUBLE,
     torch.int32: MPI.INT32_T,
     torch.int64: MPI.INT64_T,
     torch.uint8: MPI.UINT8_T,
 }
+"""The MPI datatype of each dtype reductions support."""
 
 
 def query_cuda_aware() -> bool:
@@ -69,9 +70,9 @@ def as_bytes(t: torch.Tensor):
 
 def mpi_typed(t: torch.Tensor):
     """``[buffer, MPI datatype]`` spec of a contiguous tensor, for reductions."""
-    mpi_type = _MPI_TYPES.get(t.dtype)
+    mpi_type = MPI_TYPES.get(t.dtype)
     if mpi_type is None:
-        raise TypeError(f"reductions support dtypes {sorted(map(str, _MPI_TYPES))}, got {t.dtype}")
+        raise TypeError(f"reductions support dtypes {sorted(map(str, MPI_TYPES))}, got {t.dtype}")
     flat = t.detach().reshape(-1)
     return [flat.numpy() if flat.device.type == "cpu" else flat, mpi_type]
 
@@ -91,6 +92,10 @@ class BufferRouter:
         self.stage = stage
         self._host: dict[tuple, list[torch.Tensor]] = {}  # a pool per (slot, shape, dtype)
         self._held: set[int] = set()  # ids of pool buffers a pending non-blocking operation still uses
+
+    def stages(self, t: torch.Tensor) -> bool:
+        """Whether MPI sees a staged host copy of ``t`` rather than ``t`` itself."""
+        return self._needs_staging(t)
 
     def _needs_staging(self, t: torch.Tensor) -> bool:
         if self.stage == "always":

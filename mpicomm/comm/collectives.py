@@ -5,6 +5,13 @@ reads (the mpi4py ``comm``, ``rank``, ``size``, ``ledger``, ``router``, ``clock`
 the neighbour collectives over its graph. Here: the template every call follows (route the buffers, book the
 bytes, price and time the call, watch the wait), the centralized collectives (allreduce, allgather, alltoall,
 alltoallv, reduce-scatter, allgatherv, broadcast, barrier) and the control plane (small pickled objects).
+
+The fast path: a blocking allreduce, allgather, reduce-scatter, neighbour allgather or neighbour alltoallv of CPU
+tensors that MPI reads in place (not staged) runs from a :class:`_Plan` made by the first call of its shape
+(operation, graph step, shape, dtype, device, counts) and cached: the Ledger entry, the priced cost, the MPI
+datatype, the cached receive buffer and its spec are fixed, so a call only books, takes the send buffer's
+address and makes the MPI call, under the same guard and clock as the general path. Every other call (staged
+or non-blocking, or the first call's errors) takes the general path. Measured: docs/results/transport.md.
 """
 
 from __future__ import annotations
@@ -12,19 +19,45 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from mpi4py import MPI
 
 from ..ledger import ANY, Ledger
 from ..net import CostModel, NetClock, NetLinks, NetSpec
-from .buffers import BufferRouter, as_bytes, mpi_typed
+from .buffers import MPI_TYPES, BufferRouter, as_bytes, mpi_typed
 from .guard import WaitGuard
 from .handle import Handle, byte_specs, displacements
 
 __all__ = ["Collectives"]
 
 _REDUCE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "bor": MPI.BOR}
+_BYTE, _IN_PLACE = MPI.BYTE, MPI.IN_PLACE
+_address = MPI.buffer.fromaddress
+"""``_address(tensor.data_ptr(), nbytes)``: a CPU tensor's bytes as an MPI buffer, without a numpy view (a fifth of
+its cost); it holds no reference, so only blocking calls, whose caller holds the tensor throughout, use it."""
+_MISSING = object()
+
+
+class _Plan:
+    """The fixed part of a blocking collective on one (shape, dtype, device) of CPU tensors MPI takes directly,
+    made by its first call and reused by the next: the Ledger entry to book, the priced cost, the MPI datatype
+    and operation, the receive buffer with its MPI spec (cached buffers), and the bound MPI call (graphs).
+
+    With it, a call computes only the send buffer's address: no routing, specs, closures or booking arithmetic.
+    """
+
+    __slots__ = ("op", "nbytes", "book", "priced", "mpi_type", "mpi_op", "shape", "rbytes", "out", "rspec", "call",
+                 "counts", "views")
+
+    def __init__(self, op: str, nbytes: int, book, priced, *, mpi_type=_BYTE, mpi_op=None, shape=None, rbytes=0,
+                 call=None, counts=None):
+        self.op, self.nbytes, self.book, self.priced = op, nbytes, book, priced
+        self.mpi_type, self.mpi_op, self.call, self.counts = mpi_type, mpi_op, call, counts
+        self.shape, self.rbytes = shape, rbytes  # of the receive buffer
+        self.out = self.rspec = None  # the cached receive buffer and its spec, made by the first call without out=
+        self.views = None  # neighbour alltoallv: the received parts (views of ``out``)
 
 
 class Collectives:
@@ -108,10 +141,53 @@ class Collectives:
         with self.guard.waiting(op):
             return self.clock.run(self._priced(cost), call)
 
+    # ------------------------------------------------------------------ the fast path: a cached plan per call shape
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether a blocking call on ``t`` may take the fast path: a CPU tensor that MPI reads in place."""
+        return t.device.type == "cpu" and not self.router.stages(t)
+
+    def _plan_for(self, key: tuple, make, *args) -> _Plan | None:
+        """The plan cached under ``key``, ``make(*args)`` the first time (None, also cached: this call shape takes
+        the general path)."""
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            plan = self._plans[key] = make(*args)
+        return plan
+
+    def _new_plan(self, op: str, nbytes: int, sends: dict[int, int], recvs: dict[int, int], cost, **kw) -> _Plan:
+        """A plan that books ``sends``/``recvs`` (this Communicator's ranks) as :meth:`_book` does."""
+        if self._peer_ranks is not None:
+            sends = {self._peer(p): n for p, n in sends.items()}
+            recvs = {self._peer(p): n for p, n in recvs.items()}
+        link = self.link
+        return _Plan(op, nbytes, lambda ledger: ledger.record(op, nbytes, sends, recvs, link), self._priced(cost),
+                     **kw)
+
+    def _fast(self, plan: _Plan, call, *args) -> None:
+        """Book ``plan``'s call and run ``call(*args)`` as :meth:`_run` does: timed and (with a network model)
+        charged by the clock, watched by the hang guard."""
+        plan.book(self.ledger)
+        with self.guard.waiting(plan.op):
+            self.clock.run(plan.priced, partial(call, *args))
+
     # ------------------------------------------------------------------ centralized collectives
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce of ``t`` (``op`` in sum/max/min, or bor: the bitwise or of integers); returns ``t``."""
-        return self._allreduce(t, op, blocking=True)
+        plan = self._plan_for(("allreduce", t.shape, t.dtype, t.device, op), self._allreduce_plan, t, op)
+        if plan is None or not t.is_contiguous():
+            return self._allreduce(t, op, blocking=True)
+        self._fast(plan, self.comm.Allreduce, _IN_PLACE, [_address(t.data_ptr(), plan.nbytes), plan.mpi_type],
+                   plan.mpi_op)
+        return t
+
+    def _allreduce_plan(self, t: torch.Tensor, op: str) -> _Plan | None:
+        if op not in _REDUCE_OPS or t.dtype not in MPI_TYPES or not self._direct(t):
+            return None
+        nbytes, size = t.numel() * t.element_size(), self.size
+        volume = 2 * (size - 1) * nbytes // size
+        peers = {ANY: volume} if size > 1 else {}
+        return self._new_plan("allreduce", nbytes, peers, peers, lambda model: model.allreduce(nbytes, size),
+                              mpi_type=MPI_TYPES[t.dtype], mpi_op=_REDUCE_OPS[op])
 
     def iallreduce(self, t: torch.Tensor, op: str = "sum") -> Handle:
         """Non-blocking in-place allreduce; ``wait()`` returns ``t``."""
@@ -143,7 +219,37 @@ class Collectives:
 
     def allgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather ``send`` from every rank; returns ``(size, *send.shape)`` in rank order."""
-        return self._allgather(send, out, blocking=True)
+        plan = self._plan_for(("allgather", send.shape, send.dtype, send.device), self._allgather_plan, send)
+        if plan is None or not send.is_contiguous():
+            return self._allgather(send, out, blocking=True)
+        rspec = plan.rspec if out is None and plan.rspec is not None else self._receive_spec(plan, out, send)
+        if rspec is None:
+            return self._allgather(send, out, blocking=True)
+        self._fast(plan, self.comm.Allgather, [_address(send.data_ptr(), plan.nbytes), _BYTE], rspec)
+        return plan.out if out is None else out
+
+    def _allgather_plan(self, send: torch.Tensor) -> _Plan | None:
+        if not self._direct(send):
+            return None
+        nbytes, size = send.numel() * send.element_size(), self.size
+        others = {p: nbytes for p in range(size) if p != self.rank}
+        return self._new_plan("allgather", nbytes, others, others, lambda model: model.allgather(nbytes, size),
+                              shape=(size, *send.shape), rbytes=size * nbytes)
+
+    def _receive_spec(self, plan: _Plan, out: torch.Tensor | None, like: torch.Tensor):
+        """The MPI spec of the buffer ``plan``'s call writes into: the caller's ``out`` (checked as the general path
+        checks it, raising the same error; None if it is not contiguous, which the general path refuses), or else
+        the cached receive buffer, allocated by the first call without ``out=`` (never for callers that own theirs)."""
+        if out is None:
+            if plan.out is None:
+                plan.out = self._recv_buffer(plan.op, plan.shape, like)
+                plan.rspec = [as_bytes(plan.out)[0], plan.mpi_type]
+            return plan.rspec
+        if out is not plan.out:
+            self._check_out(out, plan.shape, like, plan.op)
+            if not out.is_contiguous():
+                return None
+        return [_address(out.data_ptr(), plan.rbytes), plan.mpi_type]
 
     def iallgather(self, send: torch.Tensor, out: torch.Tensor | None = None) -> Handle:
         """Non-blocking :meth:`allgather`."""
@@ -233,6 +339,32 @@ class Collectives:
 
         Booked as the pairwise exchange does it: each other rank's part is sent to it once.
         """
+        counts = tuple(map(int, counts))
+        plan = self._plan_for(("reduce_scatter", send.shape, send.dtype, send.device, counts),
+                              self._reduce_scatter_plan, send, counts)
+        if plan is None or not send.is_contiguous():
+            return self._reduce_scatter(send, counts, out)
+        rspec = plan.rspec if out is None and plan.rspec is not None else self._receive_spec(plan, out, send)
+        if rspec is None:
+            return self._reduce_scatter(send, counts, out)
+        self._fast(plan, self.comm.Reduce_scatter, [_address(send.data_ptr(), plan.nbytes), plan.mpi_type], rspec,
+                   plan.counts, MPI.SUM)
+        return plan.out if out is None else out
+
+    def _reduce_scatter_plan(self, send: torch.Tensor, counts: tuple[int, ...]) -> _Plan | None:
+        if (send.dim() != 1 or len(counts) != self.size or sum(counts) != send.numel() or send.dtype not in MPI_TYPES
+                or not self._direct(send)):
+            return None  # the general path raises, or stages
+        size, n = send.element_size(), self.size
+        nbytes = send.numel() * size
+        return self._new_plan("reduce_scatter", nbytes,
+                              {p: counts[p] * size for p in range(n) if p != self.rank},
+                              {p: counts[self.rank] * size for p in range(n) if p != self.rank},
+                              lambda model: model.reduce_scatter(nbytes, n), mpi_type=MPI_TYPES[send.dtype],
+                              shape=(counts[self.rank],), rbytes=counts[self.rank] * size, counts=list(counts))
+
+    def _reduce_scatter(self, send: torch.Tensor, counts: Sequence[int], out: torch.Tensor | None):
+        """:meth:`reduce_scatter`'s general path (staged buffers, errors)."""
         counts = [int(c) for c in counts]
         if send.dim() != 1 or len(counts) != self.size or sum(counts) != send.numel():
             raise ValueError(f"reduce_scatter: send must be 1-D with sum(counts) elements and counts one per rank; "

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from ..ledger import Ledger
 from ..net import CostModel, NetClock, NetLinks, NetSpec, parse_net
 from .buffers import BufferRouter, as_bytes, query_cuda_aware
-from .collectives import Collectives
+from .collectives import _BYTE, Collectives, _address, _Plan
 from .faults import track
 from .guard import process_guard
 from .handle import Handle, displacements
@@ -37,6 +37,8 @@ from .progress import progress_mode
 from .world import abort_world, raw_comm
 
 __all__ = ["Communicator", "Handle"]
+
+_BOTTOM = MPI.BOTTOM
 
 
 class Communicator(Collectives):
@@ -89,11 +91,13 @@ class Communicator(Collectives):
         self._spans: bool | None = None  # spans_nodes(), once known
         self._recv: dict[tuple, torch.Tensor] = {}
         self._recv_specs: dict[tuple, list] = {}  # the MPI buffer spec of each cached receive buffer, made once
+        self._plans: dict[tuple, _Plan | None] = {}  # the fast path's plan per call shape (Collectives)
         self._adopt(topology)
 
     def _adopt(self, topology) -> None:
         """Collective: one distributed-graph communicator per distinct topology of ``topology``'s schedule."""
         self.schedule = topology
+        self._plans = {}  # a plan holds its graph's bound call
         self._graphs: list = []
         self._neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._booked_neighbors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # as the Ledger's ranks
@@ -120,6 +124,7 @@ class Communicator(Collectives):
         child._peer_ranks = tuple(self._peer(p) for p in peer_ranks)
         child.ranks_per_node, child._layout, child._spans = None, None, None
         child._recv, child._recv_specs, child._graphs, child._neighbors = {}, {}, [], []
+        child._plans = {}
         return child
 
     def on_graph(self, topology) -> Communicator:
@@ -187,7 +192,29 @@ class Communicator(Collectives):
     # ------------------------------------------------------------------ neighbour collectives
     def neighbor_allgather(self, send: torch.Tensor, out: torch.Tensor | None = None, step: int = 0):
         """Send ``send`` to every out-neighbour; return ``(len(in_neighbors), *send.shape)`` received rows."""
-        return self._neighbor_allgather(send, out, step, blocking=True)
+        index = step % len(self._graphs)
+        plan = self._plan_for(("neighbor_allgather", index, send.shape, send.dtype, send.device),
+                              self._neighbor_allgather_plan, send, index)
+        if plan is None or not send.is_contiguous():
+            return self._neighbor_allgather(send, out, step, blocking=True)
+        rspec = plan.rspec if out is None and plan.rspec is not None else self._receive_spec(plan, out, send)
+        if rspec is None:
+            return self._neighbor_allgather(send, out, step, blocking=True)
+        self._fast(plan, plan.call, [_address(send.data_ptr(), plan.nbytes), _BYTE], rspec)
+        return plan.out if out is None else out
+
+    def _neighbor_allgather_plan(self, send: torch.Tensor, index: int) -> _Plan | None:
+        if not self._direct(send):
+            return None
+        sources, dests = self._neighbors[index]
+        booked_sources, booked_dests = self._booked_neighbors[index]
+        nbytes, link = send.numel() * send.element_size(), self.link
+        sent, received = nbytes * len(dests), nbytes * len(sources)
+        return _Plan("neighbor_allgather", nbytes,
+                     lambda ledger: ledger.record_uniform("neighbor_allgather", nbytes, booked_dests, booked_sources,
+                                                          link),
+                     self._priced(lambda model: model.neighbor(sent, received)), shape=(len(sources), *send.shape),
+                     rbytes=received, call=self._graphs[index][1].Neighbor_allgather)
 
     def ineighbor_allgather(self, send: torch.Tensor, out: torch.Tensor | None = None, step: int = 0) -> Handle:
         """Non-blocking :meth:`neighbor_allgather`; ``send`` must not change until ``wait()``."""
@@ -232,7 +259,45 @@ class Communicator(Collectives):
         ``recv_numels[k]`` is the element count expected from the k-th in-neighbour (payload sizes are
         known from the codec, so no count exchange is needed). All tensors share one dtype and device.
         """
-        return self._neighbor_alltoallv(sends, recv_numels, step, blocking=True)
+        index = step % len(self._graphs)
+        if not sends:
+            return self._neighbor_alltoallv(sends, recv_numels, step, blocking=True)
+        like = sends[0]
+        dtype, device = like.dtype, like.device
+        key = ("neighbor_alltoallv", index, tuple(t.numel() for t in sends), tuple(map(int, recv_numels)), dtype,
+               device)
+        plan = self._plan_for(key, self._neighbor_alltoallv_plan, like, index, *key[2:4])
+        if plan is None:
+            return self._neighbor_alltoallv(sends, recv_numels, step, blocking=True)
+        addresses = []
+        for t in sends:
+            if t.dtype != dtype or t.device != device or not t.is_contiguous():
+                return self._neighbor_alltoallv(sends, recv_numels, step, blocking=True)
+            addresses.append(t.data_ptr())
+        self._fast(plan, plan.call, [_BOTTOM, plan.counts, addresses, plan.mpi_type], plan.rspec)
+        return list(plan.views)
+
+    def _neighbor_alltoallv_plan(self, like: torch.Tensor, index: int, send_counts: tuple[int, ...],
+                                 recv_numels: tuple[int, ...]) -> _Plan | None:
+        """The plan of a blocking neighbour alltoallv of CPU tensors: ``MPI_Neighbor_alltoallw`` reads each part
+        where it is (its absolute address, from ``MPI_BOTTOM``) instead of a packed copy of them all."""
+        sources, dests = self._neighbors[index]
+        if len(send_counts) != len(dests) or len(recv_numels) != len(sources) or not self._direct(like):
+            return None  # the general path raises, or stages
+        size = like.element_size()
+        packed_recv = self._recv_buffer("neighbor_alltoallv", (sum(recv_numels),), like)
+        rdispl = displacements(recv_numels)
+        sent, received = sum(send_counts) * size, sum(recv_numels) * size
+        plan = self._new_plan("neighbor_alltoallv", sent, {d: c * size for d, c in zip(dests, send_counts)},
+                              {s: c * size for s, c in zip(sources, recv_numels)},
+                              lambda model: model.neighbor(sent, received),
+                              call=self._graphs[index][1].Neighbor_alltoallw, counts=[c * size for c in send_counts],
+                              mpi_type=[MPI.BYTE] * len(dests))
+        plan.out = packed_recv
+        plan.rspec = [as_bytes(packed_recv)[0], [c * size for c in recv_numels], [d * size for d in rdispl],
+                      [MPI.BYTE] * len(sources)]
+        plan.views = tuple(packed_recv[d:d + c] for d, c in zip(rdispl, recv_numels))
+        return plan
 
     def ineighbor_alltoallv(self, sends: Sequence[torch.Tensor], recv_numels: Sequence[int], step: int = 0) -> Handle:
         """Non-blocking :meth:`neighbor_alltoallv` (``sends`` are copied at the call); ``wait()`` returns the list of
@@ -240,8 +305,9 @@ class Communicator(Collectives):
         return self._neighbor_alltoallv(sends, recv_numels, step, blocking=False)
 
     def _neighbor_alltoallv(self, sends, recv_numels, step, blocking):
-        topo, graph = self._graphs[step % len(self._graphs)]
-        sources, dests = topo.in_neighbors(self.rank), topo.out_neighbors(self.rank)
+        index = step % len(self._graphs)
+        graph = self._graphs[index][1]
+        sources, dests = self._neighbors[index]  # the topology's, found once (asking it costs a numpy scan)
         op = "neighbor_alltoallv" if blocking else "ineighbor_alltoallv"
         if len(sends) != len(dests) or len(recv_numels) != len(sources):
             raise ValueError(

@@ -106,22 +106,12 @@ class WaitGuard:
             self.longest_step_s = max(self.longest_step_s, now - self._step_began)
         self._step, self._step_began = value, now
 
-    @contextlib.contextmanager
-    def waiting(self, what: str, checked: bool = True):
-        """Mark the body as a blocking wait on ``what`` (e.g. ``"allgather"``); nested marks keep the outer.
-        ``checked``: run :attr:`after_wait` when it ends (not for the agreements that recover from a lost rank)."""
-        if self._wait is not None:
-            yield
-            return
-        self._start()
-        self._wait = (what, time.monotonic())
-        try:
-            yield
-        finally:
-            self._wait = None
-            self._waited = time.monotonic()
-        if checked and self.after_wait is not None:
-            self.after_wait()
+    def waiting(self, what: str, checked: bool = True) -> _Waiting:
+        """Mark the body (``with guard.waiting(what):``) as a blocking wait on ``what`` (e.g. ``"allgather"``);
+        nested marks keep the outer. ``checked``: run :attr:`after_wait` when it ends without an exception (not for
+        the agreements that recover from a lost rank). A plain object, not a generator: every collective enters
+        one, and a generator-based context manager cost several times as much per call."""
+        return _Waiting(self, what, checked)
 
     @contextlib.contextmanager
     def doing(self, activity: str):
@@ -219,6 +209,33 @@ class WaitGuard:
         sys.stdout.flush()
         sys.stderr.write(f"mpicomm: rank {self.rank}: {text}\n")
         sys.stderr.flush()
+
+
+class _Waiting:
+    """The context manager :meth:`WaitGuard.waiting` returns."""
+
+    __slots__ = ("_guard", "_what", "_checked", "_outer")
+
+    def __init__(self, guard: WaitGuard, what: str, checked: bool):
+        self._guard, self._what, self._checked, self._outer = guard, what, checked, False
+
+    def __enter__(self) -> None:
+        guard = self._guard
+        if guard._wait is not None:  # nested: the outer wait is the one watched
+            return
+        if guard._thread is None:
+            guard._start()
+        self._outer = True
+        guard._wait = (self._what, time.monotonic())
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        if self._outer:
+            guard = self._guard
+            guard._wait = None
+            guard._waited = time.monotonic()
+            if kind is None and self._checked and guard.after_wait is not None:
+                guard.after_wait()
+        return False
 
 
 _GUARD: WaitGuard | None = None
