@@ -120,10 +120,15 @@ def table(app: str, results: dict) -> str:
 
 
 def _stored(path: str) -> dict:
-    """The outcomes recorded so far, by app and method (empty before the first run)."""
+    """The outcomes recorded so far, by app and method: the runs' store, else (a fresh checkout, whose runs are not
+    kept) the published table's, so that a sweep of a few ``--methods`` keeps the other rows."""
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return {}
+        published = os.path.join(REPO, "docs", "results", "defaults.json")
+        if not os.path.exists(published):
+            return {}
+        with open(published) as f:
+            return json.load(f).get("results", {})
     with open(path) as f:
         return json.load(f)
 
