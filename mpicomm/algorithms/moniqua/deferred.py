@@ -41,8 +41,16 @@ def _drain_orphans() -> None:
         return
     deadline = time.monotonic() + DRAIN_S
     while _ORPHANS and time.monotonic() < deadline:
-        _ORPHANS[:] = [h for h in _ORPHANS if not h.test()]
+        _ORPHANS[:] = [h for h in _ORPHANS if not _done(h)]
         time.sleep(0.001)
+
+
+def _done(handle) -> bool:
+    """Whether an orphaned agreement has completed (or can never: its communicator failed or was revoked)."""
+    try:
+        return handle.test()
+    except Exception:  # noqa: BLE001 - a failed peer or a revoked communicator: nothing left to wait for
+        return True
 
 
 atexit.register(_drain_orphans)  # registered after mpi4py's finalisation, so it runs before it
