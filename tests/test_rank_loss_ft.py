@@ -42,12 +42,14 @@ pytestmark = pytest.mark.skipif(not (ROOT / ".venv-ft" / "bin" / "mpirun").exist
                                 reason="the fault-tolerant stack is not set up (scripts/setup_env.sh --ft)")
 
 
-def _launch(out: Path, algorithm: str, *extra: str, ranks: int = 4, on_loss: str = "continue"):
-    """Start the app under the stack (its own process group, so that the whole job can be killed on a failure)."""
+def _launch(out: Path, algorithm: str, *extra: str, ranks: int = 4, on_loss: str = "continue",
+            env: dict | None = None):
+    """Start the app under the stack (its own process group, so that the whole job can be killed on a failure);
+    ``env``: more environment for the ranks."""
     command = [str(FT_RUN), "-n", str(ranks), "python", "apps/train_resnet.py", "--algorithm", algorithm,
                "--on-rank-loss", on_loss, "--out-dir", str(out), "--log-every", "1", "--no-progress", *extra]
     log = open(out.parent / f"{out.name}.log", "w+")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True), log
 
@@ -114,10 +116,10 @@ def _finish(proc, log) -> tuple[int, str]:
 
 
 def _kill_at_step(out: Path, algorithm: str, rank: int, step: int, *extra: str, on_loss: str = "continue",
-                  event: str = "train") -> tuple[int, str, list[dict]]:
+                  event: str = "train", env: dict | None = None) -> tuple[int, str, list[dict]]:
     """Run ``algorithm``, kill ``rank`` once the run has recorded ``event`` (a step logged, a checkpoint
     committed) at ``step`` or later; (exit, output, metrics events)."""
-    proc, log = _launch(out, algorithm, *extra, on_loss=on_loss)
+    proc, log = _launch(out, algorithm, *extra, on_loss=on_loss, env=env)
     try:
         _wait_for(proc, lambda: any(e.get("event") == event and e["step"] >= step for e in _events(out)),
                   f"{event} at step {step}")
@@ -158,6 +160,36 @@ def test_survivors_finish_the_run(tmp_path, algorithm):
     before = [e["test_accuracy"] for e in evals if e["step"] <= lost["step"]]
     if before:
         assert evals[-1]["test_accuracy"] >= max(before) - 0.15, (before, evals[-1])
+
+
+def test_survivors_finish_a_two_level_run_across_nodes(tmp_path):
+    """Two emulated nodes of 2 ranks (``MPICOMM_RANKS_PER_NODE=2``): AllReduce-SGD sums in two levels, inside each
+    node and then between the nodes on each local rank's cross-node communicator. Rank 3 is stopped (SIGSTOP) at
+    the start of a step and killed once the others wait for it: rank 2 waits for it inside their node, rank 0 for
+    rank 2 in the cross-node allreduce, where it learns of the loss only when rank 2 revokes that communicator
+    (once it was never revoked, as it was built before recovery was set up: the job ended after twice the hang
+    timeout). The survivors finish, flat at 3 ranks (nodes of 2 no longer divide them), without waiting out the
+    hang timeout."""
+    out = tmp_path / "nodes"
+    proc, log = _launch(out, "allreduce_sgd", "--max-steps", "8", "--eval-every", "100", "--hang-timeout", "60",
+                        env={"MPICOMM_RANKS_PER_NODE": "2"})
+    try:
+        _wait_for(proc, lambda: any(e.get("event") == "train" and e["step"] >= 2 for e in _events(out)), "step 2")
+        pid = _rank_pids(out)[3]
+        os.kill(pid, signal.SIGSTOP)  # in the next step's compute: the others finish theirs and wait for it
+        last = [e for e in _events(out) if e.get("event") == "train"][-1]
+        time.sleep(2 + 3 * last["compute_s_per_step"])
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        code, text = _finish(proc, log)
+    assert code == 0, f"exit {code}: {text[-2000:]}"
+    events = _events(out)
+    lost = _lost(events, 3)
+    _ended(events)
+    before = [e for e in events if e.get("event") == "train" and e["step"] <= lost["step"]]
+    assert before and before[-1].get("bytes_sent_intra", 0) > 0, "the run did not sum in two levels"
+    assert "aborting the job" not in text, text[-2000:]
+    assert lost["recover_s"] < 30, lost  # no rank waited out the hang timeout
 
 
 def test_allreduce_continues_as_the_checkpoint_resumed_at_three_ranks(tmp_path):

@@ -335,17 +335,59 @@ def onebit_server_errors(values: list, built_value, resize: Resize, path: str) -
     return out
 
 
+def _gaps(bounds: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
+    """The ranges ``[a, b)`` of ``[0, total)`` that none of ``bounds`` covers (a lost rank's shard)."""
+    gaps, pos = [], 0
+    for start, end in sorted(bounds):
+        if start > pos:
+            gaps.append((pos, start))
+        pos = max(pos, end)
+    if pos < total:
+        gaps.append((pos, total))
+    return gaps
+
+
+def _restarted_pieces(values: list, bounds: list[tuple[int, int]], gaps: list[tuple[int, int]]) -> set[str]:
+    """The pieces (keys of ``scalars``) that may hold coordinates of ``gaps``: the built-in optimizer's one piece
+    (``"flat"``, the whole shard) and, of a user's optimizer (one piece per parameter, numbered in flat order), the
+    last parameter of a saved rank whose range ends where a gap begins and the first of one whose range begins where
+    a gap ends (the state does not record where a parameter's piece ends, so such a parameter counts as reaching
+    into the gap). A parameter wholly inside a gap has no saved scalars at all."""
+    restarted = {"flat"}
+    for a, b in gaps:
+        for value, (start, end) in zip(values, bounds):
+            params = [int(k) for k in value["scalars"] if str(k).isdigit()]
+            if params and end == a:
+                restarted.add(str(max(params)))
+            if params and start == b:
+                restarted.add(str(min(params)))
+    return restarted
+
+
 def sharded_optimizer_state(values: list, built_value, resize: Resize, path: str) -> dict:
     """A sharded optimizer's state (:mod:`mpicomm.algorithms.shared.sharding`), re-cut for the new ownership.
 
     Each saved rank's flat vectors (its optimizer state, and the parameter gather's residual) cover its saved
     ``bounds``; the new rank's are assembled from the saved ranges that overlap its new bounds (only those rows are
-    read; a range no saved rank covers, a lost rank's, restarts at zero). Each parameter's scalars (Adam's step)
-    come from a saved rank that held a piece of it; the groups' options must agree; the reduce-scatter's residual
-    is averaged; the codecs' generators are this rank's own.
+    read). Each parameter's scalars (Adam's step) come from a saved rank that held a piece of it; the groups'
+    options must agree; the reduce-scatter's residual is averaged; the codecs' generators are this rank's own.
+
+    A range no saved rank covers (a lost rank's, :mod:`mpicomm.training.recovery`) restarts: its moments at zero and
+    its step count at 0, a fresh Adam's bias correction, never the step count of the survivors' coordinates (with
+    it, zero moments after thousands of steps made the next updates about 3x the learning rate). The optimizer keeps
+    one step count per piece (the built-in one's whole shard, a user's optimizer's piece of each parameter), so a
+    piece of this rank that holds such coordinates restarts whole: its scalars are left out, and the optimizer
+    builds its state afresh at the next step (step 0, zero moments, for every coordinate of the piece); an
+    optimizer that makes its state when built (Adagrad) gets the piece's scalars as built (step 0) and the recut
+    vectors. The pieces that hold none keep their state and step count, and so does a piece without scalars (SGD's
+    momentum: the restarted range's is zero, as the optimizer's own start).
     """
     bounds = [tuple(int(b) for b in _load(v["bounds"]).tolist()) for v in values]
     lo, hi = (int(b) for b in _load(built_value["bounds"]).tolist())
+    params = resize.built.get("params") if isinstance(resize.built, dict) else None
+    total = params.numel() if _tensorish(params) else max([hi, *(end for _, end in bounds)])
+    mine = [(a, b) for a, b in _gaps(bounds, total) if max(a, lo) < min(b, hi)]
+    restarted = _restarted_pieces(values, bounds, mine) if mine else set()
 
     def recut(vectors: list) -> torch.Tensor:
         """The new rank's range [lo, hi) from the saved ranks' vectors (None where a rank has none)."""
@@ -361,7 +403,11 @@ def sharded_optimizer_state(values: list, built_value, resize: Resize, path: str
     scalars: dict = {}
     for value in values:
         for param, kept in value["scalars"].items():
-            scalars.setdefault(param, {k: _load(v) for k, v in kept.items()})
+            if not (kept and str(param) in restarted):  # no scalars (SGD's momentum): the zeros need no count
+                scalars.setdefault(param, {k: _load(v) for k, v in kept.items()})
+    for param, fresh in (built_value.get("scalars") or {}).items():
+        if fresh and str(param) in restarted:  # state an optimizer makes when built (Adagrad's step 0): as built
+            scalars.setdefault(param, {k: _load(v) for k, v in fresh.items()})
     gather = reshard_tree([v["gather"] for v in values], built_value["gather"], resize,
                           {f"{path}.gather.error": lambda vectors, *_: recut(vectors),
                            f"{path}.gather.codec": own_rank},

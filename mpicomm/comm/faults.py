@@ -7,15 +7,19 @@ call on it with ``MPI_ERR_REVOKED``. Elsewhere (MPICH, the default stack) the la
 
 The protocol, for a job whose ranks step in lockstep:
 
-* every communicator mpicomm creates is :func:`track`-ed, so a survivor that meets a failure revokes them all
-  (:meth:`Membership.revoke`) and no rank stays blocked in a collective that can no longer complete;
+* every communicator mpicomm creates is :func:`track`-ed from its creation on (those built before the
+  :class:`Membership` too: a Communicator's graphs, its node and cross communicators, the rounds'), so a survivor
+  that meets a failure revokes them all (:meth:`Membership.revoke`) and no rank stays blocked in a collective that
+  can no longer complete;
 * each step ends with :meth:`Membership.commit`, an ``MPI_Comm_agree`` over a communicator of its own: it is
   *uniform* (every survivor gets the same answer, or the same failure), so either every survivor has committed
   the step or none has; the state after the last commit is what recovery continues from;
 * a survivor that met the failure anywhere but in the commit joins the others' pending agreement with a
   "failed" vote (:meth:`Membership.vote_failed`): every survivor then has made as many agreements;
 * :meth:`Membership.shrink` builds the world of the survivors (``MPI_Comm_shrink``) and says which of the
-  previous ranks are gone.
+  previous ranks are gone. What a world gets on the way (its agreement communicator, an ``MPI_Comm_dup`` of it,
+  and the processes' identities, an allgather over it) is validated by an agreement over the new world before
+  anything uses it: a rank lost meanwhile makes every survivor shrink again, none keeps a half-built world.
 
 A rank's identity across shrinks is its rank in ``MPI_COMM_WORLD`` (:attr:`Membership.origin`).
 """
@@ -51,7 +55,7 @@ LEAVE_S = 5.0
 
 _LOSS_CLASSES = tuple(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                       if hasattr(MPI, name))
-_TRACKED: list = []  # every communicator created over the current world: revoked together on a failure
+_TRACKED: list = []  # every communicator mpicomm created over the current world: revoked together on a failure
 
 
 class RankLost(RuntimeError):
@@ -71,18 +75,7 @@ def is_rank_loss(exc: BaseException) -> bool:
     or any other error while a rank of the job is known to have failed (Open MPI's neighbour collectives report a
     dead peer as ``MPI_ERR_OTHER``; an object allgather that completed without it failed to unpickle). Always
     False where the job cannot survive one (:func:`available`)."""
-    if isinstance(exc, RankLost):
-        return True
-    if not isinstance(exc, Exception) or not available():
-        return False
-    if isinstance(exc, MPI.Exception) and exc.Get_error_class() in _LOSS_CLASSES:
-        return True
-    deadline = time.monotonic() + DETECTION_S
-    while not _known_failure(raw_comm(world())):  # the error may come before MPI has heard of the failure
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return isinstance(exc, RankLost) or _lost_on(raw_comm(world()), exc)
 
 
 def _known_failure(raw) -> bool:
@@ -118,11 +111,28 @@ def free_tracked(comms: list) -> None:
 
 
 def _revoke(raw) -> None:
-    """Revoke ``raw``, ignoring that it already was (or is a predefined one that cannot be)."""
+    """Revoke ``raw``, ignoring that it already was (or is a predefined one that cannot be, or was freed)."""
+    if raw == MPI.COMM_NULL:
+        return
     try:
         raw.Revoke()
     except MPI.Exception:
         pass
+
+
+def _lost_on(raw, exc: BaseException) -> bool:
+    """Whether ``exc``, met in a call on ``raw``, comes from a lost rank: MPI says so, or (an object that failed to
+    unpickle, an error of another class) MPI knows of a failed rank of ``raw`` within :data:`DETECTION_S`."""
+    if not isinstance(exc, Exception) or not available():
+        return False
+    if isinstance(exc, MPI.Exception) and exc.Get_error_class() in _LOSS_CLASSES:
+        return True
+    deadline = time.monotonic() + DETECTION_S
+    while not _known_failure(raw):  # the error may come before MPI has heard of the failure
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class Membership:
@@ -133,18 +143,54 @@ class Membership:
 
     def __init__(self, world: World):
         self.changed = False  # the job lost a rank or grew since it started (see :func:`leave`)
-        self._adopt(world)
-
-    def _adopt(self, world: World) -> None:
-        """Collective over ``world``: make it the process's world, with an agreement communicator of its own."""
-        _TRACKED.clear()
-        self.world = replace_world(world)
-        self._agreement = raw_comm(world).Dup()  # only agreements, the shrink and the spawn run on it: never revoked
-        self._agreement.Set_errhandler(MPI.ERRORS_RETURN)
-        self.origin: list[str] = self._agreement.allgather(f"{socket.gethostname()}:{os.getpid()}")
+        self._agreement = None
+        self.origin: list[str] = []
         """``origin[r]``: the process that is rank ``r`` now (host and pid)."""
-        self._guard = process_guard(abort_world)
+        if not self._adopt(world):
+            raise RankLost("a rank was lost while the job set up its recovery")
+
+    def _adopt(self, world: World, replacing: bool = False) -> bool:
+        """Collective over ``world``: make it the process's world, with an agreement communicator of its own; False
+        (on every rank of ``world``, and nothing adopted) if a rank was lost meanwhile.
+
+        The agreement communicator (a ``Dup`` of ``world``) and the processes' identities (an allgather over
+        ``world``) are made, then validated by ``MPI_Comm_agree`` over ``world`` before either is used: the agreement
+        is uniform, so either every rank has both and keeps them, or every rank drops what it got (a rank that met
+        the loss revokes ``world`` first, so that none stays blocked in the call it left). ``replacing``: ``world``
+        succeeds the current one (a shrink, a grow), whose communicators, all revoked, are forgotten once it is
+        adopted; the first world keeps the communicators tracked before it (those of the run set up before recovery
+        was)."""
+        raw = raw_comm(world)
+        guard = process_guard(abort_world)
+        agreement, origin, ok = None, None, True
+        try:
+            with guard.waiting("setting up the survivors' agreements", checked=False):
+                agreement = raw.Dup()  # only agreements, the shrink and the spawn run on it: never revoked
+                agreement.Set_errhandler(MPI.ERRORS_RETURN)
+                origin = raw.allgather(f"{socket.gethostname()}:{os.getpid()}")
+        except Exception as exc:
+            if not _lost_on(raw, exc):
+                raise
+            ok = False
+            _revoke(raw)  # no rank stays blocked in what this one left
+        try:
+            with guard.waiting("validating the survivors' agreements", checked=False):
+                ok = bool(raw.Agree(1 if ok else 0) & 1)
+        except MPI.Exception as exc:
+            if not _lost_on(raw, exc):
+                raise
+            ok = False
+        if not ok:
+            if agreement is not None:
+                _revoke(agreement)
+            return False
+        if replacing:
+            _TRACKED.clear()  # the previous world's communicators: revoked, never used again
+        self.world = replace_world(world)
+        self._agreement, self.origin = agreement, origin
+        self._guard = guard
         self._guard.after_wait, self._guard.leave_when_stalled = self.check, True
+        return True
 
     def check(self) -> None:
         """Raise :class:`RankLost` if MPI knows of a rank of the current world that failed (local, no message).
@@ -184,13 +230,17 @@ class Membership:
 
     def shrink(self) -> tuple[World, list[int]]:
         """Collective over the survivors: the world of the ranks still alive (which becomes the process's world,
-        :func:`~mpicomm.comm.world`) and the ranks, in the world before, of those that are gone."""
-        with self._guard.waiting("the shrink to the survivors", checked=False):
-            survivors = self._agreement.Shrink()
-        survivors.Set_errhandler(MPI.ERRORS_RETURN)
-        before = self.origin
+        :func:`~mpicomm.comm.world`) and the ranks, in the world before, of those that are gone. A rank lost while
+        the new world is set up: every survivor shrinks again (:meth:`_adopt` fails on all of them alike)."""
+        before, comm = self.origin, self._agreement
+        while True:
+            with self._guard.waiting("the shrink to the survivors", checked=False):
+                survivors = comm.Shrink()
+            survivors.Set_errhandler(MPI.ERRORS_RETURN)
+            if self._adopt(World(survivors), replacing=True):
+                break
+            comm = survivors
         self.changed = True
-        self._adopt(World(survivors))
         return self.world, [rank for rank, process in enumerate(before) if process not in self.origin]
 
     def grow(self, count: int, command: list[str]) -> World:
@@ -200,7 +250,8 @@ class Membership:
             spawned = self._agreement.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
             merged = spawned.Merge(high=False)
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        self._adopt(World(merged))
+        if not self._adopt(World(merged), replacing=True):  # the survivors recover again (the replacements end)
+            raise RankLost("a rank was lost while the replacements joined")
         return self.world
 
 

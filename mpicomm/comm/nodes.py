@@ -26,7 +26,7 @@ import os
 
 from mpi4py import MPI
 
-from .faults import track
+from .faults import free_tracked, track
 
 __all__ = ["RANKS_PER_NODE_ENV", "NodeLayout", "ranks_per_node_setting", "shared_memory_spans_nodes"]
 
@@ -62,10 +62,9 @@ def shared_memory_spans_nodes(parent) -> bool:
     """Collective over ``parent``: whether the ranks that share memory form more than one node, every node of
     the same number of ranks and more than one; the node communicator is freed again."""
     node = parent.comm.Split_type(MPI.COMM_TYPE_SHARED, key=parent.rank)
-    try:
-        _, size_of = _node_sizes(parent, node)
-    finally:
-        node.Free()
+    track(node)  # a rank lost while it is in use: revoked with the others (so it stays tracked until freed here)
+    _, size_of = _node_sizes(parent, node)
+    free_tracked([node])
     sizes = set(size_of.values())
     return len(size_of) > 1 and len(sizes) == 1 and sizes.pop() > 1
 
@@ -101,7 +100,7 @@ class NodeLayout:
             self.refusal = (f"the two-level collectives need the same number of ranks on every node; got nodes "
                             f"of {', '.join(map(str, self.sizes))} ranks ({how}): launch as many ranks on every "
                             f"node, or set hierarchical off")
-            node.Free()
+            free_tracked([node])
             self.node = self.cross = None
             return
         cross = raw.Split(self.local_rank, key=self.node_index)

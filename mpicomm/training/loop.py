@@ -146,6 +146,8 @@ class _Training(Run):
             last_eval = self._evaluate()
         if self.recovery is not None:
             self.recovery.commit(self, (epoch, start))  # where a lost rank before the first step continues from
+            if self.step < total:  # a stop signal received before the loss: the continued run stops here
+                stopped_by = self.stop_carried_over((epoch, start))
         while self.step < total and not stopped_by:
             for index, batch in self._batches(epoch, start):
                 if not algo.pending_micro_batches:  # the first micro-batch of a step

@@ -26,6 +26,7 @@ committed (the checkpoint protocol's staging directory), and the next save write
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..comm import faults
+from ..comm.nodes import RANKS_PER_NODE_ENV, ranks_per_node_setting
 from ..errors import TrainingStopped, mark_agreed
 
 __all__ = ["ON_RANK_LOSS", "LostRanks", "Recovery", "check_on_rank_loss", "state_digest"]
@@ -145,6 +147,7 @@ class Recovery:
         self.size = self.membership.world.size  # the size a replacing job keeps
         self.snapshot: dict | None = None
         self._committing = False
+        self._ranks_per_node = os.environ.get(RANKS_PER_NODE_ENV)  # emulated nodes, as the job was launched
 
     def commit(self, run, position: tuple[int, int]) -> None:
         """Collective: end this step on every rank (or raise the loss on every survivor) and keep its state."""
@@ -203,8 +206,20 @@ class Recovery:
         joined = list(range(len(places), world.size))
         return recovery, recovery._rebuilt(world, None, lost, old_size, places, rank0_survived, started, joined)
 
+    def _emulate_nodes(self, size: int) -> None:
+        """Emulated nodes (``MPICOMM_RANKS_PER_NODE=k``) at ``size`` ranks: as launched where ``k`` divides them;
+        otherwise every rank is a node of its own (the two-level collectives flat under ``hierarchical`` auto), as
+        real nodes that no longer hold the same number of ranks run flat, instead of refusing the rebuild."""
+        if self._ranks_per_node is None:
+            return
+        os.environ[RANKS_PER_NODE_ENV] = self._ranks_per_node
+        k = ranks_per_node_setting()
+        if k is not None and size % k:
+            os.environ[RANKS_PER_NODE_ENV] = "1"
+
     def _rebuilt(self, world, snapshot, lost, old_size, places, rank0_survived, started, joined) -> LostRanks:
         """Collective over the new world: the survivors' states on every rank, and the run rebuilt at its size."""
         states = _gather_states(world, snapshot)
+        self._emulate_nodes(world.size)
         task, algo = self.rebuild(world)
         return LostRanks(lost, old_size, states, places, task, algo, rank0_survived, started, joined)

@@ -4,8 +4,10 @@ record, checkpoints, evaluation, giving up, and the clean-up (the step loop itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import signal
 import time
 
 from ..checkpoint import save_checkpoint
@@ -15,6 +17,7 @@ from ..comm import raise_together
 from ..errors import TrainingStopped, agreed_of, mark_agreed
 from .config import Task, TrainConfig
 from .console import Console
+from .health import agree
 from .metrics import MetricsWriter
 from .pace import SharedSteps
 from .precision import Precision
@@ -36,6 +39,7 @@ class Run:
         self.task, self.algo, self.cfg, self.console = task, algo, cfg, console
         self.recovery = recovery  # --on-rank-loss continue: the steps' commits and the survivors' rebuild
         self.lost = False  # a lost rank interrupted this run: its communicators are revoked
+        self.continued = False  # this run continues one that a lost rank interrupted (continue_after_loss)
         self.comm, self.guard = algo.comm, algo.comm.guard
         self.rank, self.size = self.comm.rank, self.comm.size
         self.previous_timeout = self.guard.timeout_s
@@ -127,20 +131,32 @@ class Run:
         """Collective over the survivors (and the replacements that joined them): continue ``previous`` (the run a
         lost rank interrupted; None in a replacement) from its last committed step at this size (:mod:`.recovery`);
         its lock, last checkpoint and evaluation carry over."""
+        self.continued = True
         resumed = restore_states(lost.states, lost.places, self.algo, self.precision, self.task.steps_per_epoch)
         self._continue_from(resumed)
         self.console.rank = self.rank  # the new rank 0 speaks for the job
         digests = self.comm.allgather_object(state_digest(self.algo.flat.data), "the digests of the models")
+        stop, mirror = None, None
         if previous is not None:
             self.wall_offset = previous.wall()  # the time lost to the failure and the recovery counts
             self.last_saved, self.saved_step = previous.last_saved, previous.saved_step
             self.evaluated = previous.evaluated
             self.lock, previous.lock = previous.lock, RunLock(None)
+            # what outlives the rebuild: the hang timeout the job was given (and the one to restore at the end),
+            # the signal handlers with any stop signal already received, the TensorBoard mirror
+            self.previous_timeout = previous.previous_timeout
+            self.signalled = previous.signalled
+            stop, previous.stop = previous.stop, StopFlag(install=False)
+            mirror, previous.metrics.mirror = previous.metrics.mirror, None
             previous.close()
+            if self.cfg.hang_timeout is not None:
+                self.guard.timeout_s = self.cfg.hang_timeout
         if self.cfg.out_dir and not lost.rank0_survived:  # rank 0's process held the lock and the metrics file
             self.lock = claim_out_dir(self.comm, self.cfg.out_dir, resume="latest", overwrite=False)
+        if mirror is None and self.cfg.tensorboard and self.rank == 0:  # a new rank 0: its own event file
+            mirror = ScalarMirror(self.cfg.tensorboard, purge_step=self.step + 1)
         path = f"{self.cfg.out_dir}/metrics.jsonl" if self.cfg.out_dir else None
-        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=True)
+        self.metrics = MetricsWriter(path, enabled=self.rank == 0, append=True, mirror=mirror)
         seconds = time.perf_counter() - lost.started
         survivors = self.size - len(lost.joined)
         self.metrics.write({"event": "rank_lost", "step": self.step, "lost": lost.lost, "old_size": lost.old_size,
@@ -156,9 +172,46 @@ class Run:
         self.console.warning(f"rank(s) {', '.join(map(str, lost.lost))} lost: continuing at step {self.step} on "
                              f"{self.size} of {lost.old_size} ranks{joined} ({self.algo.resize_family} rule), "
                              f"recovered in {seconds:.2f} s")
-        self.stop = StopFlag(install=self.cfg.handle_signals, guard=self.guard)
+        self.stop = stop if stop is not None else StopFlag(install=self.cfg.handle_signals, guard=self.guard)
         self.progress = Progress(self.cfg.progress and self.rank == 0, self.total, self.step)
         self.t_run = time.perf_counter() - self.wall_offset
+
+    def stop_carried_over(self, position: tuple[int, int]) -> int:
+        """Collective, in a run that continues after a lost rank, before its first step: if any rank received a
+        stop signal before the loss (the ranks may have agreed to stop and the loss hit the stop's checkpoint), or
+        the run continues from ``stop_at_step``, stop here as the interrupted run would have: checkpoint, record,
+        and return the signal (else 0)."""
+        if not self.continued:
+            return 0
+        stopped_by = 0
+        if self.cfg.handle_signals:
+            verdict = agree(self.comm, self.stop.signum, "")
+            if verdict.signal:
+                self.guard.signal_handled()
+                self.signalled = True
+                stopped_by = verdict.signal
+        if not stopped_by and 0 < self.cfg.stop_at_step == self.step:
+            stopped_by = int(signal.SIGUSR1)
+        if not stopped_by:
+            return 0
+        self.save(position, stopping=True)
+        self.metrics.write({"event": "stopped", "step": self.step, "signal": stopped_by})
+        where = f", checkpoint at {self.last_saved}" if self.cfg.out_dir else " (no --out-dir: nothing saved)"
+        self.console.info(f"stopped by {signal.Signals(stopped_by).name} at step {self.step}{where} (the stop "
+                          "came before the lost rank)")
+        return stopped_by
+
+    @contextlib.contextmanager
+    def _between_steps(self, activity: str):
+        """The body (an evaluation, a checkpoint's save) is no part of a step for the hang guard: under recovery a
+        rank that spends the hang timeout in it outside MPI has not stalled and does not leave the job (its waits
+        still end the job after the timeout). ``activity`` names it, with the step, in a hang message."""
+        step, self.guard.step = self.guard.step, None
+        try:
+            with self.guard.doing(activity):
+                yield
+        finally:
+            self.guard.step = step
 
     def _set_aside_later_checkpoints(self) -> None:
         """Collective: a run resumed from an earlier checkpoint keeps its later ones as ``superseded-step-…``."""
@@ -222,7 +275,7 @@ class Run:
         if self.rank == 0 and self.evaluated and (stopping or self.evaluated["step"] == self.step):
             state["evaluated"] = self.evaluated  # what the run scored: mpicomm export's default
         try:
-            with self.guard.doing("saving a checkpoint"):
+            with self._between_steps(f"saving the checkpoint of step {self.step}"):
                 path = save_checkpoint(self.cfg.out_dir, algo.comm, state, step=self.step, meta=self.meta,
                                        keep_last=self.cfg.keep_last,
                                        confirm=self.recovery.confirm if self.recovery else None)
@@ -256,7 +309,7 @@ class Run:
 
     def _evaluate(self, epoch: float | None = None) -> dict[str, float]:
         """Collective, unmetered: evaluate the averaged model, write the eval record and its console line."""
-        with self.algo.comm.unmetered(), self.guard.doing("evaluation"):
+        with self.algo.comm.unmetered(), self._between_steps(f"evaluation at step {self.step}"):
             result, model = evaluate(self.task, self.algo, self.cfg.eval_bn_batches)
         self.evaluated = {"step": self.step, **model}
         record = {"event": "eval", "step": self.step, "wall_s": self.wall(), "train_s": self.train_s, **result,
