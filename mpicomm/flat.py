@@ -28,7 +28,8 @@ TRAINABLE_DTYPES = (torch.float32, torch.float64)
 class FlatParameters:
     """Re-home a model's trainable parameters into one contiguous buffer (``data``) and gradient (``grad``).
 
-    ``spare``: elements allocated past ``data``'s end, for collectives that move equal padded parts in place."""
+    ``spare``: elements allocated past ``data``'s and ``grad``'s ends, for collectives that move equal padded parts
+    in place."""
 
     def __init__(self, model: torch.nn.Module, spare: int = 0):
         everything = list(model.named_parameters())
@@ -62,7 +63,8 @@ class FlatParameters:
         # padded parts in place (the sharded parameter gather)
         allocated = torch.empty(offset + spare, dtype=like.dtype, device=like.device)
         self.data = allocated[:offset] if spare else allocated
-        self.grad = torch.zeros(offset, dtype=like.dtype, device=like.device)
+        grads = torch.zeros(offset + spare, dtype=like.dtype, device=like.device)  # the same room (a gathered gradient)
+        self.grad = grads[:offset] if spare else grads
         for p, layer in zip(self.params, self.layers):
             view = self.data[layer.offset:layer.offset + layer.numel]
             view.copy_(p.detach().reshape(-1))

@@ -1,6 +1,7 @@
-"""shard=True over nodes (emulated: ranks_per_node=2): the two-level sharded exchange trains bit for bit as the
-unsharded two-level exchange, each rank owns its sub-shard of its node shard, and the 4-bit exchange between
-nodes sends the hand-computed bytes."""
+"""shard=True over nodes (emulated: ranks_per_node=2): the two-level sharded exchange in the allreduce's order
+(``shard_order="exact"``) trains bit for bit as the unsharded two-level exchange and, with ``full_grad``, leaves
+the same p.grad; each rank owns its sub-shard of its node shard, and the 4-bit exchange between nodes sends the
+hand-computed bytes."""
 
 import math
 
@@ -30,10 +31,11 @@ def test_two_level_shards_train_as_the_unsharded_two_levels(comm, name, options)
     def body():
         whole = make_algorithm(name, make_model(seed=comm.Get_rank()), _nodes(comm), hierarchical=True, **options)
         shards = make_algorithm(name, make_model(seed=comm.Get_rank()), _nodes(comm), hierarchical=True,
-                                shard=True, **options)
+                                shard=True, shard_order="exact", full_grad=True, **options)
         train(whole, 10)
         train(shards, 10)
         assert torch.equal(shards.flat.data, whole.flat.data)
+        assert torch.equal(shards.flat.grad, whole.flat.grad)  # full_grad: the averaged gradient, gathered
         # rank (node a, local j) owns sub-shard a of node shard j: local rank j's half, then node a's part of it
         n, rank, d = comm.Get_size(), comm.Get_rank(), whole.flat.numel
         nodes, local, node = n // 2, rank % 2, rank // 2

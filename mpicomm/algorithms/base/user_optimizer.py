@@ -58,8 +58,9 @@ class UserOptimizer:
                                  "optimizer= set them in your optimizer's param groups instead")
             self._check_optimizer_params(optimizer)
             self._check_user_optimizer(optimizer)
-            if self.sharding is not None and self.sharding.optimizer_refusal(optimizer):
-                raise ValueError(f"{self.name}: {self.sharding.optimizer_refusal(optimizer)}")
+            refusal = self.sharding.optimizer_refusal(optimizer) if self.sharding is not None else ""
+            if refusal:
+                raise ValueError(f"{self.name}: {refusal}")
         except ValueError as exc:
             error = exc
         raise_together(self.comm, error)

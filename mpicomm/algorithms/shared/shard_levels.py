@@ -10,10 +10,10 @@ With L ranks on each of N nodes, rank (node a, local j) -- ZeRO++'s hierarchical
     x[node shard j] <- gathered; x <- allgatherv inside the node, fp32
 
 So rank (a, j) owns sub-shard a of node shard j: a contiguous range, though not in rank order. Only a 1/L share
-of the gradient leaves each rank for the slow network and all L NICs of a node carry it; an exact exchange sums
-in the order of the unsharded two-level allreduce (the node's reduce-scatter, then MPICH's allreduce order
-between nodes), so it trains bit for bit as ``hierarchical`` without ``shard``. A quantized exchange keeps its
-error feedback on the node sum's shard (d / L elements).
+of the gradient leaves each rank for the slow network and all L NICs of a node carry it; an fp32 exchange with
+``shard_order="exact"`` sums in the order of the unsharded two-level allreduce (the node's reduce-scatter, then
+MPICH's allreduce order between nodes), so it trains bit for bit as ``hierarchical`` without ``shard``. A quantized
+exchange keeps its error feedback on the node sum's shard (d / L elements).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ __all__ = ["NodeShardedGather", "NodeShardedSum"]
 class NodeShardedSum:
     """The reduce-scatter in two levels: this rank's sub-shard ``[lo, hi)`` of the sum over all ranks."""
 
-    def __init__(self, levels: TwoLevel, bits: int, seed: int, like: torch.Tensor):
+    def __init__(self, levels: TwoLevel, bits: int, seed: int, like: torch.Tensor, order: str = "fast"):
         self.levels = levels
-        self.between = ShardedSum(levels.cross, levels.hi - levels.lo, bits, seed, like)
+        self.between = ShardedSum(levels.cross, levels.hi - levels.lo, bits, seed, like, order)
         self.layout = self.between.layout
         self.lo, self.hi = levels.lo + self.between.lo, levels.lo + self.between.hi
 
     def reduce_scatter(self, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Collective: ``out <- sum over ranks of grad[lo:hi]``; ``grad`` is read only (the node's sum is not)."""
+        """Collective: ``out <- sum over ranks of grad[lo:hi]``; ``grad`` is read only (the node's sum, which the
+        exchange between nodes spends in the exact order, is not)."""
         return self.between.reduce_scatter(self.levels.reduce(grad), out)
 
     def state_dict(self) -> dict:
