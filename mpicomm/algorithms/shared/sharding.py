@@ -58,14 +58,14 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "A
 @dataclass(frozen=True)
 class ShardConfig(AlgorithmConfig):
     """shard: keep the optimizer state of this rank's 1/n shard only, reduce-scatter the gradient, step the shard and
-    allgather the parameters (ZeRO-1: the full gradient stays on every rank). shard_bits: the reduce-scatter's
-    precision, 32 (fp32), 8 or 4 (blockwise quantized with error feedback). shard_order: the fp32 reduce-scatter's
-    order of the sum, "fast" (the pairwise exchange) or "exact" (the unsharded allreduce's: bit for bit the
-    unsharded method under MPICH; :mod:`.shard_rounds`). gather_bits: the parameter allgather's, 32 (exact), 8 or
-    4 (each shard's update quantized blockwise with error feedback). full_grad: after ``step()`` every ``p.grad``
-    holds the whole averaged gradient, as unsharded (one more fp32 allgather a step); without it ``p.grad`` holds
-    the averaged gradient on this rank's shard and zero elsewhere. Over several nodes (``hierarchical``) the shards
-    are exchanged in two levels (:mod:`.shard_levels`). Not with overlap."""
+    allgather the parameters (ZeRO-1: the full gradient stays on every rank); over several nodes (``hierarchical``)
+    the shards are exchanged in two levels (:mod:`.shard_levels`); not with overlap. shard_bits: the
+    reduce-scatter's precision, 32 (fp32), 8 or 4 (blockwise quantized with error feedback). shard_order: the fp32
+    reduce-scatter's order of the sum, "fast" (the pairwise exchange, n - 1 messages a rank) or "exact" (the
+    unsharded allreduce's order: bit for bit the unsharded method under MPICH). gather_bits: the parameter
+    allgather's, 32 (exact), 8 or 4 (each shard's update quantized blockwise with error feedback). full_grad: after
+    ``step()`` every ``p.grad`` holds the whole averaged gradient, as unsharded (one more fp32 allgather a step);
+    without it ``p.grad`` holds the averaged gradient on this rank's shard and zero elsewhere."""
 
     shard: bool = False
     shard_bits: int = 32
