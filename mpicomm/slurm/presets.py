@@ -4,7 +4,7 @@ Edit a preset here, then run ``mpicomm slurm regenerate``; ``tests/test_slurm_te
 template drifts from its preset. Paper settings: Moniqua trains ResNet-20/110 on CIFAR-10 with 8 workers on a ring
 (Lu & De Sa 2020); CPD-SGDM and APMSqueeze use ResNet-18 on CIFAR-10; APMSqueeze pre-trains BERT-Base and BERT-Large
 (Tang et al. 2020); ``bert_large_sharded`` pre-trains BERT-Large with Adam's state sharded over the 64 GPUs
-(``--shard``, ZeRO-1, Adam as unsharded to the last bit; docs/sharding.md); ``bert_base_diloco`` pre-trains BERT-Base with
+(``--shard``, ZeRO-1; docs/sharding.md); ``bert_base_diloco`` pre-trains BERT-Base with
 DiLoCo's settings (Douillard et al. 2023: inner AdamW at lr 4e-4 and weight decay 0.1, H = 500, outer Nesterov SGD
 at 0.7 / 0.9), one DiLoCo worker per GPU.
 
