@@ -6,7 +6,7 @@ from .communicator import Communicator, Handle
 from .failfast import abort_on_exception, raise_together
 from .local import local_rank, local_size, node_layout
 from .nodes import RANKS_PER_NODE_ENV, NodeLayout
-from .world import World, as_world, world
+from .world import World, as_world, mpi_finalized, world
 
 __all__ = [
     "BufferRouter",
@@ -19,6 +19,7 @@ __all__ = [
     "as_world",
     "local_rank",
     "local_size",
+    "mpi_finalized",
     "node_layout",
     "progress",
     "query_cuda_aware",

@@ -13,7 +13,12 @@ from mpi4py import MPI
 
 from .guard import WaitGuard, process_guard
 
-__all__ = ["World", "abort_world", "as_world", "raw_comm", "replace_world", "world"]
+__all__ = ["World", "abort_world", "as_world", "mpi_finalized", "raw_comm", "replace_world", "world"]
+
+
+def mpi_finalized() -> bool:
+    """Whether MPI has been finalised (no MPI call may run any more, e.g. in an exit handler)."""
+    return bool(MPI.Is_finalized())
 
 
 def abort_world(code: int) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...comm import mpi_finalized
+
 __all__ = ["DeferredAgreement"]
 
 _ORPHANS: list = []
@@ -35,9 +37,7 @@ DRAIN_S = 10.0
 
 
 def _drain_orphans() -> None:
-    from mpi4py import MPI
-
-    if MPI.Is_finalized():
+    if mpi_finalized():
         return
     deadline = time.monotonic() + DRAIN_S
     while _ORPHANS and time.monotonic() < deadline:
