@@ -6,6 +6,9 @@ timed calls (after warm-up), each call bracketed by barriers. The ratio ours / r
 
     unshare -n bash -c 'ip link set lo up && mpiexec -n 4 python bench/transport/comm.py'
 
+The table of every collective (allreduce, reduce-scatter, allgather, the neighbour allgather and alltoallv) from
+4 KiB to 64 MiB, with algbw and busbw as nccl-tests reports them, is ``bench/transport/collectives.py``.
+
 It also reports the Communicator's own CPU per call: thread CPU time per ``neighbor_allgather`` of 1 KB
 on a graph with no neighbours (``MPI.COMM_SELF``), where the MPI call itself does nothing, against raw
 mpi4py on the same graph (median of interleaved rounds; CPU time, so other processes' load hardly
