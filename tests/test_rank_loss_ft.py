@@ -192,6 +192,29 @@ def test_survivors_finish_a_two_level_run_across_nodes(tmp_path):
     assert lost["recover_s"] < 30, lost  # no rank waited out the hang timeout
 
 
+def test_a_second_loss_during_the_recovery_restarts_it(tmp_path):
+    """Rank 3 killed, and rank 1 a moment later, while the survivors recover from the first loss (shrinking,
+    validating their new world, gathering their states or rebuilding): the recovery starts again on the two left,
+    which finish the run at 2 ranks, and the run records both losses (before, the first one's record was lost)."""
+    out = tmp_path / "twice"
+    proc, log = _launch(out, "allreduce_sgd", "--max-steps", "12", "--eval-every", "100")
+    try:
+        _wait_for(proc, lambda: any(e.get("event") == "train" and e["step"] >= 3 for e in _events(out)), "step 3")
+        pids = _rank_pids(out)
+        os.kill(pids[3], signal.SIGKILL)
+        time.sleep(0.3)  # the survivors met the first loss within milliseconds; recovering takes longer
+        os.kill(pids[1], signal.SIGKILL)
+    finally:
+        code, text = _finish(proc, log)
+    assert code == 0, f"exit {code}: {text[-2000:]}"
+    events = _events(out)
+    lost = [e for e in events if e.get("event") == "rank_lost"]
+    # one recovery from both losses (ranks of the world before them), or one after the other
+    assert lost and lost[0]["old_size"] == 4 and lost[-1]["new_size"] == 2, lost
+    assert sorted(rank for e in lost for rank in e["lost"]) == [1, 3], lost
+    _ended(events)
+
+
 def test_allreduce_continues_as_the_checkpoint_resumed_at_three_ranks(tmp_path):
     """The last rank killed: the recovered run's final model equals, bit for bit, that of a separate 3-rank job
     resumed from the 4-rank checkpoint of the step the recovery continued from.

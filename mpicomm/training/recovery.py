@@ -148,12 +148,16 @@ class Recovery:
         self.snapshot: dict | None = None
         self._committing = False
         self._ranks_per_node = os.environ.get(RANKS_PER_NODE_ENV)  # emulated nodes, as the job was launched
+        self._since: tuple[list[str], float] | None = None
+        """The processes of the world the snapshot was committed in and when recovering from it began, while a run
+        is not yet continued on the survivors (a loss during a recovery restarts it from there)."""
 
     def commit(self, run, position: tuple[int, int]) -> None:
         """Collective: end this step on every rank (or raise the loss on every survivor) and keep its state."""
         self._committing = True
         self.membership.commit()
         self._committing = False
+        self._since = None  # the run goes on: a later loss is recovered from this step
         # every tensor copied: what stays true whatever the next step does to the live ones
         self.snapshot = _replaced(run.state(position), lambda path, t: t.detach().clone())
 
@@ -170,14 +174,21 @@ class Recovery:
 
     def recover(self) -> LostRanks:
         """Collective over the survivors: shrink to them (and start replacements), gather their committed states,
-        rebuild the run."""
-        started = time.perf_counter()
+        rebuild the run. A recovery that a further loss interrupted starts again here; the run it then continues
+        counts the ranks lost since the last committed step, in the world of that step, and its time since the
+        first loss (the snapshot's states are that world's)."""
+        if self._since is None:
+            self._since = (list(self.membership.origin), time.perf_counter())
         self.membership.revoke()
         if not self._committing:
             self.membership.vote_failed()
         self._committing = False
         before = list(self.membership.origin)
         world, lost = self.membership.shrink()
+        first, started = self._since
+        if all(process in first for process in self.membership.origin):  # no replacement among the survivors
+            before = first
+            lost = [rank for rank, process in enumerate(before) if process not in self.membership.origin]
         step = self.snapshot["position"]["step"]
         if world.size < self.min_ranks:
             message = (f"rank(s) {', '.join(map(str, lost))} lost at step {step}: {world.size} left, fewer than "
